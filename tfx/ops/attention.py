@@ -1,0 +1,177 @@
+"""Scaled dot-product attention: MHA, GQA and MQA, masks, bias, sparsity, self and cross.
+
+The public entry point validates its arguments, folds `is_causal` and `sparsity` into one boolean
+mask, and dispatches to an implementation. "reference" materialises the [B, H, T, S] scores and
+is the definition every faster kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tfx.ops import _checks
+from tfx.ops.sparse import SparsitySpec
+
+__all__ = ["IMPLEMENTATIONS", "dot_product_attention"]
+
+IMPLEMENTATIONS = ("reference", "blocked")
+
+# Masked logits take the most negative finite float32 rather than -inf: a fully masked row then
+# stays finite (no inf - inf) and the explicit zeroing below turns it into zeros.
+_MASKED_LOGIT = float(np.finfo(np.float32).min)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("is_causal", "scale", "sparsity", "implementation")
+)
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    bias: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    sparsity: SparsitySpec | None = None,
+    implementation: str | None = None,
+) -> jax.Array:
+    """softmax(query·keyᵀ·scale + bias, masked) · value, per head.
+
+    Args:
+      query: [batch, q_len, num_heads, head_dim].
+      key: [batch, kv_len, num_kv_heads, head_dim]; num_kv_heads divides num_heads (MHA: equal,
+        GQA: fewer, MQA: one). Query heads h use key head h // (num_heads // num_kv_heads); K/V
+        heads are never repeated in memory.
+      value: [batch, kv_len, num_kv_heads, value_dim], same dtype as query and key.
+      bias: optional float array broadcastable to [batch, num_heads, q_len, kv_len], added to the
+        scaled scores (ALiBi, T5 relative bias, ...).
+      mask: optional bool array broadcastable to [batch, num_heads, q_len, kv_len];
+        True = may attend.
+      is_causal: query i sees keys j <= i (top-left aligned, as `jax.nn.dot_product_attention`).
+        For cached decoding, where queries sit at the end of the keys, pass
+        `tfx.ops.masks.causal_mask(query_positions, key_positions)` as `mask` instead.
+      scale: multiplier of the scores; default 1/sqrt(head_dim).
+      sparsity: optional `tfx.ops.sparse` spec, top-left aligned like `is_causal`.
+      implementation: "reference" (materialises the scores), "blocked" (online softmax, not yet
+        available) or None (automatic: currently "reference").
+    Returns:
+      [batch, q_len, num_heads, value_dim] in the dtype of value. Scores and softmax statistics
+      are float32 for every input dtype. A query row with no visible key returns zeros and has
+      finite (zero) gradients.
+    """
+    _validate(query, key, value, bias, mask, is_causal, scale, sparsity)
+    implementation = _resolve_implementation(implementation)
+    _, q_len, _, head_dim = query.shape
+    kv_len = key.shape[1]
+    static_mask = _static_mask(q_len, kv_len, is_causal, sparsity)
+    if static_mask is not None:
+        mask = static_mask if mask is None else jnp.logical_and(mask, static_mask)
+    if scale is None:
+        scale = 1.0 / float(np.sqrt(head_dim))
+    del implementation  # only "reference" exists so far; the dispatch grows with the kernels
+    return _reference_attention(query, key, value, bias, mask, scale)
+
+
+def _resolve_implementation(implementation: str | None) -> str:
+    if implementation is None:
+        return "reference"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
+        )
+    if implementation == "blocked":
+        raise NotImplementedError(
+            'implementation="blocked" (online-softmax attention) is not available yet; '
+            'use implementation="reference" or None'
+        )
+    return implementation
+
+
+def _static_mask(q_len: int, kv_len: int, is_causal: bool, sparsity: SparsitySpec | None):
+    """The trace-time part of the mask (causal and sparsity) as a [1, 1, q_len, kv_len] constant."""
+    parts = []
+    if is_causal:
+        parts.append(np.tril(np.ones((q_len, kv_len), dtype=bool)))
+    if sparsity is not None:
+        parts.append(sparsity.dense(q_len, kv_len))
+    if not parts:
+        return None
+    return jnp.asarray(np.logical_and.reduce(parts)[None, None])
+
+
+def _grouped(x: jax.Array, num_kv_heads: int) -> jax.Array:
+    """[b, h, t, s] (any dim may be 1) -> [b, k, g, t, s] matching grouped query heads."""
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    b, h, t, s = x.shape
+    if h == 1:
+        return x[:, :, None]
+    return x.reshape(b, num_kv_heads, h // num_kv_heads, t, s)
+
+
+def _reference_attention(query, key, value, bias, mask, scale):
+    batch, q_len, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[2]
+    grouped_query = query.reshape(batch, q_len, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    logits = jnp.einsum(
+        "btkgd,bskd->bkgts", grouped_query, key, preferred_element_type=jnp.float32
+    )
+    logits = logits * jnp.float32(scale)
+    if bias is not None:
+        logits = logits + _grouped(bias, num_kv_heads).astype(jnp.float32)
+    if mask is not None:
+        mask = _grouped(mask, num_kv_heads)
+        logits = jnp.where(mask, logits, _MASKED_LOGIT)
+    # Softmax is shift invariant, so the row max needs no gradient.
+    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    weights = jnp.exp(logits - row_max)
+    if mask is not None:
+        weights = jnp.where(mask, weights, 0.0)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = weights / jnp.where(total == 0.0, 1.0, total)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(value.dtype), value)
+    return out.reshape(batch, q_len, num_heads, value.shape[-1])
+
+
+def _validate(query, key, value, bias, mask, is_causal, scale, sparsity) -> None:
+    _checks.floating("query", query, ndim=4, layout="[batch, q_len, num_heads, head_dim]")
+    _checks.floating("key", key, ndim=4, layout="[batch, kv_len, num_kv_heads, head_dim]")
+    _checks.floating("value", value, ndim=4, layout="[batch, kv_len, num_kv_heads, value_dim]")
+    if not query.dtype == key.dtype == value.dtype:
+        raise TypeError(
+            "query, key and value must share a dtype, got "
+            f"{query.dtype}, {key.dtype} and {value.dtype}"
+        )
+    batch, q_len, num_heads, head_dim = query.shape
+    if key.shape[0] != batch:
+        raise ValueError(f"key batch ({key.shape[0]}) must equal query batch ({batch})")
+    if key.shape[3] != head_dim:
+        raise ValueError(f"key head_dim ({key.shape[3]}) must equal query head_dim ({head_dim})")
+    if value.shape[:3] != key.shape[:3]:
+        raise ValueError(
+            f"value shape {value.shape} must match key shape {key.shape} in "
+            "[batch, kv_len, num_kv_heads]"
+        )
+    num_kv_heads = key.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
+    scores_shape = (batch, num_heads, q_len, key.shape[1])
+    axes = "[batch, num_heads, q_len, kv_len]"
+    if bias is not None:
+        _checks.floating("bias", bias)
+        _checks.broadcastable("bias", bias.shape, scores_shape, axes)
+    if mask is not None:
+        _checks.boolean("mask", mask, max_ndim=4)
+        _checks.broadcastable("mask", mask.shape, scores_shape, axes)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if scale is not None:
+        _checks.positive_float("scale", scale)
+    if sparsity is not None and not isinstance(sparsity, SparsitySpec):
+        raise TypeError(
+            f"sparsity must be a tfx.ops.sparse spec or None, got {type(sparsity).__name__}"
+        )
