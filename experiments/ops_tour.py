@@ -13,13 +13,10 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
-import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from tfx.ops import dot_product_attention, positional, sparse  # noqa: E402
+from tfx.ops import dot_product_attention, positional, sparse
 
 PATTERNS = {
     "Causal()": sparse.Causal(),

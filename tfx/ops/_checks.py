@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numbers
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -78,7 +77,3 @@ def broadcastable(name: str, shape: tuple[int, ...], target: tuple[int, ...], ax
     ):
         raise ValueError(f"{name} of shape {tuple(shape)} must broadcast to {axes} = {target}")
 
-
-def is_traced(x) -> bool:
-    """True when `x` is a tracer (its values are unknown at trace time)."""
-    return isinstance(x, jax.core.Tracer)

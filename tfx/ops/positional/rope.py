@@ -59,15 +59,18 @@ def _ntk_inv_freq(scaling, theta, growth, rotary_dim: int) -> jax.Array:
     return _unscaled_inv_freq(theta * growth ** (rotary_dim / (rotary_dim - 2)), rotary_dim)
 
 
-def _set(obj, name: str, value) -> None:
-    """Store a validated (normalised) field on a frozen dataclass."""
-    object.__setattr__(obj, name, value)
+def _validate_fields(obj, *, floats=(), ints=(), optional_floats=()) -> None:
+    """Require positive fields on a frozen dataclass, storing them as Python floats / ints.
 
-
-def _optional_positive(obj, name: str) -> None:
-    value = getattr(obj, name)
-    if value is not None:
-        _set(obj, name, _checks.positive_float(f"{type(obj).__name__}.{name}", value))
+    Normalising (2 -> 2.0) keeps equal scalings equal and hash-equal, so jit reuses its cache.
+    """
+    prefix = type(obj).__name__
+    for name in (*floats, *ints, *optional_floats):
+        value = getattr(obj, name)
+        if name in optional_floats and value is None:
+            continue
+        check = _checks.positive_int if name in ints else _checks.positive_float
+        object.__setattr__(obj, name, check(f"{prefix}.{name}", value))
 
 
 class RopeScaling:
@@ -94,7 +97,7 @@ class LinearScaling(RopeScaling):
     factor: float
 
     def __post_init__(self):
-        _set(self, "factor", _checks.positive_float("LinearScaling.factor", self.factor))
+        _validate_fields(self, floats=("factor",))
 
     def _inv_freq(self, rotary_dim: int, theta: float, seq_len) -> jax.Array:
         return _unscaled_inv_freq(theta, rotary_dim) / self.factor
@@ -111,7 +114,7 @@ class NTKScaling(RopeScaling):
     factor: float
 
     def __post_init__(self):
-        _set(self, "factor", _checks.positive_float("NTKScaling.factor", self.factor))
+        _validate_fields(self, floats=("factor",))
 
     def _inv_freq(self, rotary_dim: int, theta: float, seq_len) -> jax.Array:
         return _ntk_inv_freq(self, theta, self.factor, rotary_dim)
@@ -122,8 +125,8 @@ class DynamicNTKScaling(RopeScaling):
     """Dynamic NTK: the base grows with the length L once L exceeds max_pos.
 
     base = theta·(factor·L/max_pos - (factor - 1))^(d/(d-2)) for L > max_pos; at L <= max_pos the
-    frequencies are the unscaled ones. In `apply_rope`, L = max(positions) + 1
-    over the whole batch, computed inside the compiled function.
+    frequencies are the unscaled ones. In `apply_rope`, L = max(positions) + 1 over the whole
+    batch, computed inside the compiled function.
 
     HF: `rope_parameters = {"rope_type": "dynamic", "factor": factor}`, with
     `original_max_position_embeddings` playing the part of HF's `config.max_position_embeddings`
@@ -136,15 +139,7 @@ class DynamicNTKScaling(RopeScaling):
     original_max_position_embeddings: int
 
     def __post_init__(self):
-        _set(self, "factor", _checks.positive_float("DynamicNTKScaling.factor", self.factor))
-        _set(
-            self,
-            "original_max_position_embeddings",
-            _checks.positive_int(
-                "DynamicNTKScaling.original_max_position_embeddings",
-                self.original_max_position_embeddings,
-            ),
-        )
+        _validate_fields(self, floats=("factor",), ints=("original_max_position_embeddings",))
 
     def _inv_freq(self, rotary_dim: int, theta: float, seq_len) -> jax.Array:
         max_pos = self.original_max_position_embeddings
@@ -183,24 +178,17 @@ class YaRNScaling(RopeScaling):
     truncate: bool = True
 
     def __post_init__(self):
-        _set(self, "factor", _checks.positive_float("YaRNScaling.factor", self.factor))
-        _set(
+        _validate_fields(
             self,
-            "original_max_position_embeddings",
-            _checks.positive_int(
-                "YaRNScaling.original_max_position_embeddings",
-                self.original_max_position_embeddings,
-            ),
+            floats=("factor", "beta_fast", "beta_slow"),
+            ints=("original_max_position_embeddings",),
+            optional_floats=("attention_factor", "mscale", "mscale_all_dim"),
         )
-        _set(self, "beta_fast", _checks.positive_float("YaRNScaling.beta_fast", self.beta_fast))
-        _set(self, "beta_slow", _checks.positive_float("YaRNScaling.beta_slow", self.beta_slow))
         if self.beta_fast <= self.beta_slow:
             raise ValueError(
                 f"YaRNScaling.beta_fast ({self.beta_fast}) must be greater than "
                 f"YaRNScaling.beta_slow ({self.beta_slow})"
             )
-        for name in ("attention_factor", "mscale", "mscale_all_dim"):
-            _optional_positive(self, name)
         if not isinstance(self.truncate, bool):
             kind = type(self.truncate).__name__
             raise TypeError(f"YaRNScaling.truncate must be a bool, got {kind}")
@@ -210,9 +198,10 @@ class YaRNScaling(RopeScaling):
             raise ValueError(f"YaRNScaling needs theta > 1 (it divides by log(theta)), got {theta}")
 
         def dim_with_rotations(rotations: float) -> float:
-            # The (fractional) pair index whose wavelength fits `rotations` times in the context.
-            wavelengths = self.original_max_position_embeddings / (rotations * 2 * math.pi)
-            return rotary_dim * math.log(wavelengths) / (2 * math.log(theta))
+            # The (fractional) pair index j whose wavelength 2π·theta^(2j/d) fits `rotations`
+            # times into the original context: solve theta^(2j/d) = context / (2π·rotations).
+            theta_power = self.original_max_position_embeddings / (rotations * 2 * math.pi)
+            return rotary_dim * math.log(theta_power) / (2 * math.log(theta))
 
         low, high = dim_with_rotations(self.beta_fast), dim_with_rotations(self.beta_slow)
         if self.truncate:
@@ -254,15 +243,10 @@ class Llama3Scaling(RopeScaling):
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self):
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            _set(self, name, _checks.positive_float(f"Llama3Scaling.{name}", getattr(self, name)))
-        _set(
+        _validate_fields(
             self,
-            "original_max_position_embeddings",
-            _checks.positive_int(
-                "Llama3Scaling.original_max_position_embeddings",
-                self.original_max_position_embeddings,
-            ),
+            floats=("factor", "low_freq_factor", "high_freq_factor"),
+            ints=("original_max_position_embeddings",),
         )
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
@@ -278,7 +262,7 @@ class Llama3Scaling(RopeScaling):
             self.high_freq_factor - self.low_freq_factor
         )
         kept = jnp.clip(kept, 0.0, 1.0)
-        return kept * inv_freq / self.factor + (1 - kept) * inv_freq
+        return (1 - kept) * inv_freq / self.factor + kept * inv_freq
 
 
 def rope_frequencies(
