@@ -14,11 +14,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from tfx.ops import _checks
-from tfx.ops.sparse import SparsitySpec
+from tfx.ops.block_plan import block_plan
+from tfx.ops.blocked_attention import blocked_attention
+from tfx.ops.sparse import Causal, SparsitySpec
 
 __all__ = ["IMPLEMENTATIONS", "dot_product_attention"]
 
 IMPLEMENTATIONS = ("reference", "blocked")
+# Tile edge of the blocked kernel (queries and keys), and the score-matrix size from which
+# implementation=None picks it over the reference path (see benchmarks/attention.py).
+BLOCK_SIZE = 256
+BLOCKED_MIN_SCORES = 512 * 512
 
 # Masked logits take the most negative finite float32 rather than -inf: a fully masked row then
 # stays finite (no inf - inf) and the explicit zeroing below turns it into zeros.
@@ -65,43 +71,64 @@ def dot_product_attention(
       finite (zero) gradients.
     """
     _validate(query, key, value, bias, mask, is_causal, scale, sparsity)
-    implementation = _resolve_implementation(implementation)
     _, q_len, _, head_dim = query.shape
     kv_len = key.shape[1]
-    static_mask = _static_mask(q_len, kv_len, is_causal, sparsity)
-    if static_mask is not None:
-        mask = static_mask if mask is None else jnp.logical_and(mask, static_mask)
+    implementation = _resolve_implementation(implementation, q_len, kv_len)
+    spec = _static_spec(is_causal, sparsity)
     if scale is None:
         scale = 1.0 / float(np.sqrt(head_dim))
-    del implementation  # only "reference" exists so far; the dispatch grows with the kernels
+    if implementation == "blocked":
+        return _blocked(query, key, value, bias, mask, spec, scale)
+    if spec is not None:
+        static_mask = jnp.asarray(spec.dense(q_len, kv_len)[None, None])
+        mask = static_mask if mask is None else jnp.logical_and(mask, static_mask)
     return _reference_attention(query, key, value, bias, mask, scale)
 
 
-def _resolve_implementation(implementation: str | None) -> str:
+def _resolve_implementation(implementation: str | None, q_len: int, kv_len: int) -> str:
     if implementation is None:
-        return "reference"
+        return "blocked" if q_len * kv_len >= BLOCKED_MIN_SCORES else "reference"
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
         )
-    if implementation == "blocked":
-        raise NotImplementedError(
-            'implementation="blocked" (online-softmax attention) is not available yet; '
-            'use implementation="reference" or None'
-        )
     return implementation
 
 
-def _static_mask(q_len: int, kv_len: int, is_causal: bool, sparsity: SparsitySpec | None):
-    """The trace-time part of the mask (causal and sparsity) as a [1, 1, q_len, kv_len] constant."""
-    parts = []
+def _static_spec(is_causal: bool, sparsity: SparsitySpec | None) -> SparsitySpec | None:
+    """The trace-time part of the mask as one sparse spec (None when everything is visible)."""
     if is_causal:
-        parts.append(np.tril(np.ones((q_len, kv_len), dtype=bool)))
-    if sparsity is not None:
-        parts.append(sparsity.dense(q_len, kv_len))
-    if not parts:
-        return None
-    return jnp.asarray(np.logical_and.reduce(parts)[None, None])
+        return Causal() if sparsity is None else Causal() & sparsity
+    return sparsity
+
+
+def _blocked(query, key, value, bias, mask, spec, scale):
+    """Pad to whole tiles, regroup heads, run the blocked kernel, and undo both."""
+    batch, q_len, num_heads, head_dim = query.shape
+    kv_len, num_kv_heads = key.shape[1:3]
+    block_q, block_k = min(BLOCK_SIZE, q_len), min(BLOCK_SIZE, kv_len)
+    q_pad, k_pad = -q_len % block_q, -kv_len % block_k
+    group = num_heads // num_kv_heads
+    grouped_query = query.reshape(batch, q_len, num_kv_heads, group, head_dim)
+    grouped_query = jnp.pad(grouped_query.transpose(0, 2, 3, 1, 4),
+                            [(0, 0)] * 3 + [(0, q_pad), (0, 0)])
+    key, value = (jnp.pad(x.transpose(0, 2, 1, 3), [(0, 0), (0, 0), (0, k_pad), (0, 0)])
+                  for x in (key, value))
+    bias, mask = (None if x is None else _pad_scores(_grouped(x, num_kv_heads), q_pad, k_pad)
+                  for x in (bias, mask))
+    out = blocked_attention(
+        grouped_query, key, value, bias, mask,
+        plan=block_plan(spec, q_len, kv_len, block_q, block_k),
+        scale=scale, block_q=block_q, block_k=block_k,
+    )
+    out = out[:, :, :, :q_len].transpose(0, 3, 1, 2, 4)
+    return out.reshape(batch, q_len, num_heads, value.shape[-1]).astype(value.dtype)
+
+
+def _pad_scores(x: jax.Array, q_pad: int, k_pad: int) -> jax.Array:
+    """Pad the query and key dims of a [b, k, g, t, s] bias or mask where they are not 1."""
+    pads = [(0, 0)] * 3 + [(0, q_pad if x.shape[3] > 1 else 0), (0, k_pad if x.shape[4] > 1 else 0)]
+    return jnp.pad(x, pads)
 
 
 def _grouped(x: jax.Array, num_kv_heads: int) -> jax.Array:
