@@ -15,15 +15,17 @@ import numpy as np
 
 from tfx.ops import _checks
 from tfx.ops.block_plan import block_plan
-from tfx.ops.blocked_attention import blocked_attention
+from tfx.ops.blocked_attention import ScoreInputs, blocked_attention
+from tfx.ops.masks import combine_masks, segment_mask
 from tfx.ops.sparse import Causal, SparsitySpec
 
 __all__ = ["IMPLEMENTATIONS", "dot_product_attention"]
 
 IMPLEMENTATIONS = ("reference", "blocked")
-# Tile edge of the blocked kernel (queries and keys), and the score-matrix size from which
-# implementation=None picks it over the reference path (see benchmarks/attention.py).
-BLOCK_SIZE = 256
+# Tile sizes of the blocked kernel, and the score-matrix size from which implementation=None
+# picks it over the reference path (measured with benchmarks/attention.py).
+BLOCK_Q = 256
+BLOCK_K = 512
 BLOCKED_MIN_SCORES = 512 * 512
 
 # Masked logits take the most negative finite float32 rather than -inf: a fully masked row then
@@ -44,6 +46,8 @@ def dot_product_attention(
     is_causal: bool = False,
     scale: float | None = None,
     sparsity: SparsitySpec | None = None,
+    query_segment_ids: jax.Array | None = None,
+    key_segment_ids: jax.Array | None = None,
     implementation: str | None = None,
 ) -> jax.Array:
     """softmax(query·keyᵀ·scale + bias, masked) · value, per head.
@@ -63,14 +67,24 @@ def dot_product_attention(
         `tfx.ops.masks.causal_mask(query_positions, key_positions)` as `mask` instead.
       scale: multiplier of the scores; default 1/sqrt(head_dim).
       sparsity: optional `tfx.ops.sparse` spec, top-left aligned like `is_causal`.
-      implementation: "reference" (materialises the scores), "blocked" (online softmax, not yet
-        available) or None (automatic: currently "reference").
+      query_segment_ids: optional int [batch, q_len] for packed sequences: a query sees only
+        keys with the same segment id. Unlike an equivalent `mask`, it costs O(q_len + kv_len)
+        memory, and the blocked path skips tiles where no segments meet.
+      key_segment_ids: int [batch, kv_len]; defaults to `query_segment_ids` (self-attention).
+      implementation: "reference" (materialises the [batch, heads, q_len, kv_len] scores),
+        "blocked" (online softmax over tiles, O(q_len + kv_len) memory, skips tiles that the
+        causal mask, `sparsity` or key padding leave empty, and tiles that `mask` or segment ids
+        leave empty for the whole batch) or None: "blocked" when q_len·kv_len >=
+        BLOCKED_MIN_SCORES, else "reference" (small problems are faster in one fused piece).
     Returns:
       [batch, q_len, num_heads, value_dim] in the dtype of value. Scores and softmax statistics
       are float32 for every input dtype. A query row with no visible key returns zeros and has
       finite (zero) gradients.
     """
+    if key_segment_ids is None:
+        key_segment_ids = query_segment_ids
     _validate(query, key, value, bias, mask, is_causal, scale, sparsity)
+    _validate_segments(query_segment_ids, key_segment_ids, query.shape[:2], key.shape[:2])
     _, q_len, _, head_dim = query.shape
     kv_len = key.shape[1]
     implementation = _resolve_implementation(implementation, q_len, kv_len)
@@ -78,10 +92,12 @@ def dot_product_attention(
     if scale is None:
         scale = 1.0 / float(np.sqrt(head_dim))
     if implementation == "blocked":
-        return _blocked(query, key, value, bias, mask, spec, scale)
+        segments = (query_segment_ids, key_segment_ids)
+        return _blocked(query, key, value, bias, mask, segments, spec, scale)
+    if query_segment_ids is not None:
+        mask = combine_masks(mask, segment_mask(query_segment_ids, key_segment_ids))
     if spec is not None:
-        static_mask = jnp.asarray(spec.dense(q_len, kv_len)[None, None])
-        mask = static_mask if mask is None else jnp.logical_and(mask, static_mask)
+        mask = combine_masks(mask, jnp.asarray(spec.dense(q_len, kv_len)[None, None]))
     return _reference_attention(query, key, value, bias, mask, scale)
 
 
@@ -102,11 +118,11 @@ def _static_spec(is_causal: bool, sparsity: SparsitySpec | None) -> SparsitySpec
     return sparsity
 
 
-def _blocked(query, key, value, bias, mask, spec, scale):
+def _blocked(query, key, value, bias, mask, segments, spec, scale):
     """Pad to whole tiles, regroup heads, run the blocked kernel, and undo both."""
     batch, q_len, num_heads, head_dim = query.shape
     kv_len, num_kv_heads = key.shape[1:3]
-    block_q, block_k = min(BLOCK_SIZE, q_len), min(BLOCK_SIZE, kv_len)
+    block_q, block_k = min(BLOCK_Q, q_len), min(BLOCK_K, kv_len)
     q_pad, k_pad = -q_len % block_q, -kv_len % block_k
     group = num_heads // num_kv_heads
     grouped_query = query.reshape(batch, q_len, num_kv_heads, group, head_dim)
@@ -116,8 +132,14 @@ def _blocked(query, key, value, bias, mask, spec, scale):
                   for x in (key, value))
     bias, mask = (None if x is None else _pad_scores(_grouped(x, num_kv_heads), q_pad, k_pad)
                   for x in (bias, mask))
+    query_segments, key_segments = segments
+    if query_segments is not None:
+        # Padded queries and keys get segment ids of their own; keys are masked by the plan.
+        query_segments = jnp.pad(query_segments, [(0, 0), (0, q_pad)])
+        key_segments = jnp.pad(key_segments, [(0, 0), (0, k_pad)])
+    inputs = ScoreInputs(bias, mask, query_segments, key_segments)
     out = blocked_attention(
-        grouped_query, key, value, bias, mask,
+        grouped_query, key, value, inputs,
         plan=block_plan(spec, q_len, kv_len, block_q, block_k),
         scale=scale, block_q=block_q, block_k=block_k,
     )
@@ -162,6 +184,20 @@ def _reference_attention(query, key, value, bias, mask, scale):
     probs = weights / jnp.where(total == 0.0, 1.0, total)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(value.dtype), value)
     return out.reshape(batch, q_len, num_heads, value.shape[-1])
+
+
+def _validate_segments(query_segments, key_segments, query_batch_len, key_batch_len) -> None:
+    if query_segments is None:
+        if key_segments is not None:
+            raise ValueError("key_segment_ids needs query_segment_ids")
+        return
+    for name, ids, shape, axes in (
+        ("query_segment_ids", query_segments, query_batch_len, "[batch, q_len]"),
+        ("key_segment_ids", key_segments, key_batch_len, "[batch, kv_len]"),
+    ):
+        _checks.integer(name, ids, ndim=2, layout=axes)
+        if tuple(ids.shape) != tuple(shape):
+            raise ValueError(f"{name} of shape {tuple(ids.shape)} must be {axes} = {tuple(shape)}")
 
 
 def _validate(query, key, value, bias, mask, is_causal, scale, sparsity) -> None:

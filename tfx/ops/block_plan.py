@@ -24,15 +24,18 @@ class BlockPlan:
     """Key blocks per query block, as padded tables (numpy, trace-time constants).
 
     Attributes:
-      key_blocks: int32 [num_q_blocks, max_visits], the key blocks query block i visits, in
-        increasing order; entries past `visits[i]` are 0 and never read.
+      key_blocks: int32 [num_q_blocks, max_visits], the key blocks query block i visits: first
+        the `full_visits[i]` fully visible ones, then the partly visible ones; entries past
+        `visits[i]` are 0 and never read.
       visits: int32 [num_q_blocks], how many key blocks each query block visits (may be 0).
+      full_visits: int32 [num_q_blocks], how many of those are fully visible (need no mask).
       tile_mask_ids: int32 [num_q_blocks, max_visits], index into `tile_masks` of each visit.
       tile_masks: bool [num_unique, block_q, block_k]; index 0 is the all-True tile.
     """
 
     key_blocks: np.ndarray
     visits: np.ndarray
+    full_visits: np.ndarray
     tile_mask_ids: np.ndarray
     tile_masks: np.ndarray
 
@@ -66,12 +69,12 @@ def block_plan(
     max_visits = max(int(visits.max()), 1)
     key_blocks = np.zeros((num_q_blocks, max_visits), dtype=np.int32)
     tile_mask_ids = np.zeros((num_q_blocks, max_visits), dtype=np.int32)
+    full_visits = np.zeros(num_q_blocks, dtype=np.int32)
     unique = {np.ones((block_q, block_k), dtype=bool).tobytes(): 0}
     masks = [np.ones((block_q, block_k), dtype=bool)]
     offsets = np.arange(block_k)
     for qb in range(num_q_blocks):
         blocks = np.flatnonzero(layout[qb])
-        key_blocks[qb, : blocks.size] = blocks
         # Query rows past q_len are padding whose output is dropped: they see what row 0 sees,
         # so they never turn a fully visible tile into a partial one.
         rows = qb * block_q + np.arange(block_q)
@@ -81,9 +84,13 @@ def block_plan(
         if spec is not None:
             visible = visible & spec.allows(rows, np.minimum(keys, kv_len - 1), kv_len)
         tiles = np.broadcast_to(visible, (block_q, blocks.size, block_k)).transpose(1, 0, 2)
+        ids = np.empty(blocks.size, dtype=np.int32)
         for i, tile in enumerate(tiles):
-            tile_id = unique.setdefault(tile.tobytes(), len(unique))
-            if tile_id == len(masks):
-                masks.append(np.ascontiguousarray(tile))
-            tile_mask_ids[qb, i] = tile_id
-    return BlockPlan(key_blocks, visits, tile_mask_ids, np.stack(masks))
+            ids[i] = unique.setdefault(tile.tobytes(), len(unique))
+            if ids[i] == len(masks):
+                masks.append(tile.copy())
+        order = np.argsort(ids > 0, kind="stable")  # fully visible tiles (id 0) first
+        key_blocks[qb, : blocks.size] = blocks[order]
+        tile_mask_ids[qb, : blocks.size] = ids[order]
+        full_visits[qb] = np.count_nonzero(ids == 0)
+    return BlockPlan(key_blocks, visits, full_visits, tile_mask_ids, np.stack(masks))
