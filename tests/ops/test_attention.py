@@ -219,7 +219,6 @@ class TestBadInput:
     @pytest.mark.parametrize(
         "kwargs,error,match",
         [
-            ({"implementation": "blocked"}, NotImplementedError, "blocked"),
             ({"implementation": "flash"}, ValueError, "implementation must be one of"),
             ({"mask": jnp.ones((2, 1, 4, 5), jnp.float32)}, TypeError, "mask must be a boolean"),
             ({"mask": jnp.ones((3, 1, 4, 5), bool)}, ValueError, "mask of shape"),

@@ -34,7 +34,8 @@ _MASKED_LOGIT = float(np.finfo(np.float32).min)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("is_causal", "scale", "sparsity", "implementation")
+    jax.jit,
+    static_argnames=("is_causal", "scale", "sparsity", "implementation", "block_sizes"),
 )
 def dot_product_attention(
     query: jax.Array,
@@ -49,6 +50,7 @@ def dot_product_attention(
     query_segment_ids: jax.Array | None = None,
     key_segment_ids: jax.Array | None = None,
     implementation: str | None = None,
+    block_sizes: tuple[int, int] | None = None,
 ) -> jax.Array:
     """softmax(query·keyᵀ·scale + bias, masked) · value, per head.
 
@@ -76,6 +78,8 @@ def dot_product_attention(
         causal mask, `sparsity` or key padding leave empty, and tiles that `mask` or segment ids
         leave empty for the whole batch) or None: "blocked" when q_len·kv_len >=
         BLOCKED_MIN_SCORES, else "reference" (small problems are faster in one fused piece).
+      block_sizes: (block_q, block_k) tile sizes of the blocked path; default
+        (BLOCK_Q, BLOCK_K), each capped at its sequence length.
     Returns:
       [batch, q_len, num_heads, value_dim] in the dtype of value. Scores and softmax statistics
       are float32 for every input dtype. A query row with no visible key returns zeros and has
@@ -84,6 +88,7 @@ def dot_product_attention(
     if key_segment_ids is None:
         key_segment_ids = query_segment_ids
     _validate(query, key, value, bias, mask, is_causal, scale, sparsity)
+    block_q, block_k = _block_sizes(block_sizes, query.shape[1], key.shape[1])
     _validate_segments(query_segment_ids, key_segment_ids, query.shape[:2], key.shape[:2])
     _, q_len, _, head_dim = query.shape
     kv_len = key.shape[1]
@@ -93,7 +98,7 @@ def dot_product_attention(
         scale = 1.0 / float(np.sqrt(head_dim))
     if implementation == "blocked":
         segments = (query_segment_ids, key_segment_ids)
-        return _blocked(query, key, value, bias, mask, segments, spec, scale)
+        return _blocked(query, key, value, bias, mask, segments, spec, scale, block_q, block_k)
     if query_segment_ids is not None:
         mask = combine_masks(mask, segment_mask(query_segment_ids, key_segment_ids))
     if spec is not None:
@@ -118,11 +123,20 @@ def _static_spec(is_causal: bool, sparsity: SparsitySpec | None) -> SparsitySpec
     return sparsity
 
 
-def _blocked(query, key, value, bias, mask, segments, spec, scale):
+def _block_sizes(block_sizes, q_len: int, kv_len: int) -> tuple[int, int]:
+    if block_sizes is None:
+        block_sizes = (BLOCK_Q, BLOCK_K)
+    if not isinstance(block_sizes, tuple) or len(block_sizes) != 2:
+        raise TypeError(f"block_sizes must be a (block_q, block_k) tuple, got {block_sizes!r}")
+    block_q = _checks.positive_int("block_sizes[0] (block_q)", block_sizes[0])
+    block_k = _checks.positive_int("block_sizes[1] (block_k)", block_sizes[1])
+    return min(block_q, q_len), min(block_k, kv_len)
+
+
+def _blocked(query, key, value, bias, mask, segments, spec, scale, block_q, block_k):
     """Pad to whole tiles, regroup heads, run the blocked kernel, and undo both."""
     batch, q_len, num_heads, head_dim = query.shape
     kv_len, num_kv_heads = key.shape[1:3]
-    block_q, block_k = min(BLOCK_Q, q_len), min(BLOCK_K, kv_len)
     q_pad, k_pad = -q_len % block_q, -kv_len % block_k
     group = num_heads // num_kv_heads
     grouped_query = query.reshape(batch, q_len, num_kv_heads, group, head_dim)
