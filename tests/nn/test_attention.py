@@ -1,0 +1,98 @@
+"""tfx.nn.Attention against the same computation written with the op and the raw weights."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tfx.nn import Attention
+from tfx.ops import dot_product_attention, sparse
+
+
+def _written_out(module, x, context, **kwargs):
+    """x·Wq, context·Wk, context·Wv, the op, then ·Wo, from the module's parameters."""
+
+    def proj(linear, inputs, heads):
+        out = inputs @ linear.kernel[...]
+        if linear.bias is not None:
+            out = out + linear.bias[...]
+        return out.reshape(*inputs.shape[:2], heads, -1)
+
+    query = proj(module.query, x, module.num_heads)
+    key = proj(module.key, context, module.num_kv_heads)
+    value = proj(module.value, context, module.num_kv_heads)
+    out = dot_product_attention(query, key, value, implementation="reference", **kwargs)
+    return proj(module.out, out.reshape(*x.shape[:2], -1), 1)[..., 0, :]
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+def test_self_attention_matches_written_out(num_kv_heads):
+    module = Attention(32, 4, num_kv_heads=num_kv_heads, use_bias=True, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 9, 32))
+    chex.assert_trees_all_close(module(x, is_causal=True),
+                                _written_out(module, x, x, is_causal=True), atol=1e-5)
+
+
+def test_cross_attention_with_other_width():
+    module = Attention(16, 2, kv_features=24, head_dim=12, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 5, 16))
+    context = jax.random.normal(jax.random.key(2), (2, 7, 24))
+    mask = jnp.asarray(np.random.default_rng(0).random((2, 1, 5, 7)) < 0.8)
+    out = module(x, context, mask=mask)
+    chex.assert_shape(out, (2, 5, 16))
+    chex.assert_trees_all_close(out, _written_out(module, x, context, mask=mask), atol=1e-5)
+
+
+def test_blocked_implementation_by_config_gives_the_same_model():
+    """The same weights under implementation="blocked" and "reference", values and gradients."""
+    reference = Attention(32, 4, num_kv_heads=2, implementation="reference", rngs=nnx.Rngs(0))
+    blocked = Attention(32, 4, num_kv_heads=2, implementation="blocked", block_sizes=(8, 8),
+                        rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 30, 32))
+
+    def loss(module):
+        return jnp.sum(module(x, sparsity=sparse.SlidingWindow(10)) ** 2)
+
+    chex.assert_trees_all_close(nnx.grad(loss)(blocked), nnx.grad(loss)(reference), atol=1e-4)
+    chex.assert_trees_all_close(blocked(x, is_causal=True), reference(x, is_causal=True),
+                                atol=1e-5)
+
+
+def test_functional_use_through_split_and_merge():
+    module = Attention(16, 2, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(module)
+
+    @jax.jit
+    def apply(state, x):
+        return nnx.merge(graphdef, state)(x, is_causal=True)
+
+    x = jax.random.normal(jax.random.key(1), (1, 6, 16))
+    chex.assert_trees_all_close(apply(state, x), module(x, is_causal=True), atol=1e-6)
+
+
+def test_bfloat16_compute_float32_params():
+    module = Attention(16, 2, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    out = module(jnp.ones((1, 4, 16)))
+    assert out.dtype == jnp.bfloat16
+    assert module.query.kernel[...].dtype == jnp.float32
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"num_kv_heads": 3}, r"num_kv_heads \(3\) must be >= 1 and divide num_heads \(4\)"),
+        ({"implementation": "flash"}, "implementation must be one of"),
+    ],
+)
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Attention(32, 4, rngs=nnx.Rngs(0), **kwargs)
+
+
+def test_bad_width_and_input():
+    with pytest.raises(ValueError, match=r"d_model \(30\) must be divisible by num_heads \(4\)"):
+        Attention(30, 4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"x must have 3 dims \[batch, q_len, d_model\]"):
+        Attention(32, 4, rngs=nnx.Rngs(0))(jnp.ones((4, 32)))

@@ -1,0 +1,96 @@
+"""Multi-head attention (MHA / GQA / MQA, self or cross) as a Flax NNX module."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tfx.ops import dot_product_attention
+from tfx.ops.attention import IMPLEMENTATIONS
+from tfx.ops.sparse import SparsitySpec
+
+__all__ = ["Attention"]
+
+
+class Attention(nnx.Module):
+    """Projections to queries, keys and values, `tfx.ops.dot_product_attention`, output projection.
+
+    The kernel is chosen by configuration (`implementation`, `block_sizes`), so every model built
+    on this module runs on the reference or the blocked (flash-style) path without code changes.
+
+    Args:
+      d_model: width of the input (and of the output).
+      num_heads: query heads.
+      num_kv_heads: key/value heads, dividing num_heads (default num_heads: MHA; 1: MQA).
+      head_dim: features per head (default d_model // num_heads).
+      kv_features: width of the cross-attention context (default d_model).
+      use_bias: biases on the four projections (BERT, GPT-2: True; LLaMA, T5: False).
+      scale: score multiplier (default 1/sqrt(head_dim); T5 uses 1.0).
+      implementation: "reference", "blocked" or None (automatic), as in the op.
+      block_sizes: (block_q, block_k) for the blocked path, or None for the default.
+      dtype: compute dtype (e.g. jnp.bfloat16); param_dtype: storage dtype of the weights.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, kv_features: int | None = None,
+                 use_bias: bool = False, scale: float | None = None,
+                 implementation: str | None = None, block_sizes: tuple[int, int] | None = None,
+                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({num_kv_heads}) must be >= 1 and divide num_heads ({num_heads})")
+        if head_dim is None:
+            if d_model % num_heads:
+                raise ValueError(
+                    f"d_model ({d_model}) must be divisible by num_heads ({num_heads}) "
+                    "unless head_dim is given")
+            head_dim = d_model // num_heads
+        if implementation not in (None, *IMPLEMENTATIONS):
+            raise ValueError(
+                f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale, self.implementation, self.block_sizes = scale, implementation, block_sizes
+        kv_features = d_model if kv_features is None else kv_features
+
+        def linear(features_in, features_out):
+            return nnx.Linear(features_in, features_out, use_bias=use_bias, dtype=dtype,
+                              param_dtype=param_dtype, rngs=rngs)
+
+        self.query = linear(d_model, num_heads * head_dim)
+        self.key = linear(kv_features, num_kv_heads * head_dim)
+        self.value = linear(kv_features, num_kv_heads * head_dim)
+        self.out = linear(num_heads * head_dim, d_model)
+
+    def __call__(self, x: jax.Array, context: jax.Array | None = None, *,
+                 mask: jax.Array | None = None, bias: jax.Array | None = None,
+                 is_causal: bool = False, sparsity: SparsitySpec | None = None,
+                 query_segment_ids: jax.Array | None = None,
+                 key_segment_ids: jax.Array | None = None) -> jax.Array:
+        """Attend from `x` to `context` (or to `x` itself).
+
+        Args:
+          x: [batch, q_len, d_model].
+          context: [batch, kv_len, kv_features] for cross-attention; None for self-attention.
+          mask, bias, is_causal, sparsity, query_segment_ids, key_segment_ids: as in
+            `tfx.ops.dot_product_attention` (masks broadcast to [batch, heads, q_len, kv_len]).
+        Returns:
+          [batch, q_len, d_model].
+        """
+        if x.ndim != 3:
+            raise ValueError(f"x must have 3 dims [batch, q_len, d_model], got shape {x.shape}")
+        context = x if context is None else context
+        batch, q_len, _ = x.shape
+        query = self.query(x).reshape(batch, q_len, self.num_heads, self.head_dim)
+        key, value = (
+            proj(context).reshape(batch, context.shape[1], self.num_kv_heads, self.head_dim)
+            for proj in (self.key, self.value)
+        )
+        out = dot_product_attention(
+            query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=self.scale,
+            sparsity=sparsity, query_segment_ids=query_segment_ids,
+            key_segment_ids=key_segment_ids, implementation=self.implementation,
+            block_sizes=self.block_sizes,
+        )
+        return self.out(out.reshape(batch, q_len, self.num_heads * self.head_dim))
