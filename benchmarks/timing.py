@@ -1,0 +1,56 @@
+"""Shared measuring helpers for the benchmark scripts: medians of repeated runs, peak memory,
+child processes, and tables printed as markdown."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+
+def median_seconds(run: Callable[[], object], *, repeats: int, warmup: int = 1) -> float:
+    """Median wall time of `run()` (which must block until its result is ready)."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_child(args: Sequence[str]) -> dict:
+    """Run `python args...` and parse the JSON object it prints last."""
+    done = subprocess.run([sys.executable, *args], check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    def cell(value):
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(path).write_text(json.dumps(payload, indent=2))
+        print(f"\nwrote {path}")
