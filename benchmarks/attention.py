@@ -2,7 +2,7 @@
 
     python benchmarks/attention.py                      # the full tables (tens of minutes)
     python benchmarks/attention.py --quick              # N = 512..2048, float32, a few minutes
-    python benchmarks/attention.py --json results.json  # also write every number as JSON
+    python benchmarks/attention.py --json r.json --markdown r.md   # keep the numbers
 
 Layout [batch=1, N, heads=8, head_dim=64]. Times are medians of --repeats runs in this process,
 on the same inputs; ratios are tfx / peer (below 1 = tfx faster). Peers that would exceed
@@ -18,8 +18,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import platform
+import os
+import pathlib
+import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +59,7 @@ def _jax_runner(attend, inputs, backward: bool):
 def _torch_runner(inputs, causal: bool, backward: bool):
     import torch
 
-    q, k, v = (torch.from_numpy(np.asarray(x.astype(jnp.float32))).to(_torch_dtype(x.dtype))
+    q, k, v = (torch.from_numpy(np.array(x.astype(jnp.float32))).to(_torch_dtype(x.dtype))
                .transpose(1, 2).contiguous().requires_grad_(backward) for x in inputs)
 
     def run():
@@ -189,6 +192,49 @@ def _forward_ms(args, inputs, **kwargs) -> float:
     return 1e3 * median_seconds(_jax_runner(attend, inputs, False), repeats=args.repeats)
 
 
+def render(results: dict) -> str:
+    """The markdown report of a results dict (as written by --json)."""
+    lines = [f"Command: `{results['command']}` at revision `{results['revision']}` "
+             f"({results['date']}); jax {results['jax']}, torch {results.get('torch', '-')}, "
+             f"{results['cpus']} CPUs. Ratios are tfx / peer: below 1 means tfx is faster."]
+    if "dense" in results:
+        lines += ["", "## Dense attention, batch 1, 8 heads, head_dim 64 (ms)", "",
+                  markdown_table(["dtype", "causal", "N", "pass", "tfx", "jax.nn", "tfx/jax.nn",
+                                  "torch", "tfx/torch"],
+                                 [[r["dtype"], r["causal"], r["n"], r["pass"], r["tfx_ms"],
+                                   r["jax.nn_ms"], _ratio(r["tfx_ms"], r["jax.nn_ms"]),
+                                   r.get("torch_ms"), _ratio(r["tfx_ms"], r.get("torch_ms"))]
+                                  for r in results["dense"]])]
+    if "memory" in results:
+        lines += ["", "## Peak memory of a causal forward+backward, float32 (MiB)", "",
+                  "JAX columns: XLA's accounting of the compiled step (arguments, outputs and "
+                  "scratch); torch: growth of the peak resident set.", "",
+                  markdown_table(["N", "tfx", "jax.nn", "torch"],
+                                 [[r["n"], r["tfx_mib"], r["jax.nn_mib"], r.get("torch_mib")]
+                                  for r in results["memory"]])]
+    if "sparse" in results:
+        lines += ["", "## Sparse patterns, forward, float32 (ms)", "",
+                  markdown_table(["pattern", "N", "tfx sparse", "tfx full", "sparse/full",
+                                  "ideal (pairs kept)", "jax.nn + mask", "sparse/jax.nn"],
+                                 [[r["pattern"], r["n"], r["sparse_ms"], r["full_ms"],
+                                   r["sparse_ms"] / r["full_ms"], r["ideal_ratio"],
+                                   r["jax.nn_mask_ms"], _ratio(r["sparse_ms"], r["jax.nn_mask_ms"])]
+                                  for r in results["sparse"]])]
+    return "\n".join(lines) + "\n"
+
+
+def _ratio(ours, theirs):
+    return None if ours is None or theirs is None else ours / theirs
+
+
+def _provenance() -> dict:
+    revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=pathlib.Path(__file__).parent).stdout.strip()
+    return {"command": " ".join(["python", "benchmarks/attention.py", *sys.argv[1:]]),
+            "revision": revision or "unknown", "date": time.strftime("%Y-%m-%d"),
+            "jax": jax.__version__, "cpus": os.cpu_count(), "python": sys.version.split()[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")],
@@ -203,6 +249,7 @@ def main() -> None:
     parser.add_argument("--skip", type=lambda s: s.split(","), default=[],
                         help="sections to skip: dense,memory,sparse")
     parser.add_argument("--json", help="write all results to this path")
+    parser.add_argument("--markdown", help="write the report to this path")
     parser.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
@@ -210,45 +257,24 @@ def main() -> None:
         return
     if args.quick:
         args.sizes, args.sparse_sizes, args.dtypes = [512, 1024, 2048], [4096], ["float32"]
+    results = _provenance()
     try:
         import torch
 
-        torch.set_num_threads(len(jax.devices("cpu")) and torch.get_num_threads())
-        args.torch = True
+        results["torch"], args.torch = torch.__version__, True
     except ImportError:
         print("torch not installed (pip install -e '.[bench]'): torch columns are skipped")
         args.torch = False
-    results = {"machine": platform.processor() or platform.machine(), "jax": jax.__version__,
-               "python": sys.version.split()[0]}
-    if "dense" not in args.skip:
-        print("## Dense attention (ms; ratios tfx / peer)\n")
-        results["dense"] = dense_table(args)
-        headers = ["dtype", "causal", "N", "pass", "tfx ms", "jax.nn ms", "tfx/jax.nn",
-                   "torch ms", "tfx/torch"]
-        print("\n" + markdown_table(headers, [
-            [r["dtype"], r["causal"], r["n"], r["pass"], r["tfx_ms"], r["jax.nn_ms"],
-             _ratio(r["tfx_ms"], r["jax.nn_ms"]), r.get("torch_ms"),
-             _ratio(r["tfx_ms"], r.get("torch_ms"))] for r in results["dense"]]))
-    if "memory" not in args.skip:
-        print("\n## Peak memory of causal forward+backward, float32 (MiB above baseline)\n")
-        results["memory"] = memory_table(args)
-        print("\n" + markdown_table(["N", "tfx", "jax.nn", "torch"], [
-            [r["n"], r["tfx_mib"], r["jax.nn_mib"], r.get("torch_mib")]
-            for r in results["memory"]]))
-    if "sparse" not in args.skip:
-        print("\n## Sparse patterns, forward, float32 (ms)\n")
-        results["sparse"] = sparse_table(args)
-        print("\n" + markdown_table(
-            ["pattern", "N", "tfx sparse ms", "tfx full ms", "sparse/full", "ideal (kept)",
-             "jax.nn + mask ms", "sparse/jax.nn"],
-            [[r["pattern"], r["n"], r["sparse_ms"], r["full_ms"], r["sparse_ms"] / r["full_ms"],
-              r["ideal_ratio"], r["jax.nn_mask_ms"], _ratio(r["sparse_ms"], r["jax.nn_mask_ms"])]
-             for r in results["sparse"]]))
+    sections = {"dense": dense_table, "memory": memory_table, "sparse": sparse_table}
+    for name, measure in sections.items():
+        if name not in args.skip:
+            print(f"\n# {name}", flush=True)
+            results[name] = measure(args)
+    report = render(results)
+    print("\n" + report)
     write_json(args.json, results)
-
-
-def _ratio(ours, theirs):
-    return None if ours is None or theirs is None else ours / theirs
+    if args.markdown:
+        pathlib.Path(args.markdown).write_text(report)
 
 
 if __name__ == "__main__":

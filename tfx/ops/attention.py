@@ -139,7 +139,8 @@ def _blocked(query, key, value, bias, mask, segments, spec, scale, block_q, bloc
     kv_len, num_kv_heads = key.shape[1:3]
     q_pad, k_pad = -q_len % block_q, -kv_len % block_k
     group = num_heads // num_kv_heads
-    grouped_query = query.reshape(batch, q_len, num_kv_heads, group, head_dim)
+    grouped_query = (query * jnp.asarray(scale, query.dtype)).reshape(
+        batch, q_len, num_kv_heads, group, head_dim)
     grouped_query = jnp.pad(grouped_query.transpose(0, 2, 3, 1, 4),
                             [(0, 0)] * 3 + [(0, q_pad), (0, 0)])
     key, value = (jnp.pad(x.transpose(0, 2, 1, 3), [(0, 0), (0, 0), (0, k_pad), (0, 0)])
@@ -154,8 +155,7 @@ def _blocked(query, key, value, bias, mask, segments, spec, scale, block_q, bloc
     inputs = ScoreInputs(bias, mask, query_segments, key_segments)
     out = blocked_attention(
         grouped_query, key, value, inputs,
-        plan=block_plan(spec, q_len, kv_len, block_q, block_k),
-        scale=scale, block_q=block_q, block_k=block_k,
+        plan=block_plan(spec, q_len, kv_len, block_q, block_k), block_q=block_q, block_k=block_k,
     )
     out = out[:, :, :, :q_len].transpose(0, 3, 1, 2, 4)
     return out.reshape(batch, q_len, num_heads, value.shape[-1]).astype(value.dtype)

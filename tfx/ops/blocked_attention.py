@@ -27,7 +27,10 @@ from tfx.ops.block_plan import BlockPlan
 
 __all__ = ["ScoreInputs", "blocked_attention"]
 
-_MASKED_LOGIT = float(np.finfo(np.float32).min)
+# Invisible pairs score -inf, while the running max starts at the most negative finite float:
+# exp(score - max) is then exactly 0 for every invisible pair, with no second mask and no
+# inf - inf, and a row that sees no key keeps a zero sum.
+_ROW_MAX_INIT = float(np.finfo(np.float32).min)
 
 
 class ScoreInputs(NamedTuple):
@@ -43,27 +46,27 @@ class ScoreInputs(NamedTuple):
     key_segments: jax.Array | None = None
 
 
-def blocked_attention(query, key, value, inputs: ScoreInputs, *, plan: BlockPlan, scale: float,
-                      block_q: int, block_k: int):
+def blocked_attention(query, key, value, inputs: ScoreInputs, *, plan: BlockPlan, block_q: int,
+                      block_k: int):
     """Attention over padded, grouped arrays following `plan`.
 
     Args:
-      query: [B, K, G, T, D] with T a multiple of block_q.
+      query: [B, K, G, T, D] with T a multiple of block_q, already multiplied by the score scale
+        (once per query rather than once per score).
       key: [B, K, S, D] and value [B, K, S, Dv] with S a multiple of block_k.
       inputs: bias, mask and segment ids, already padded to T and S.
       plan: the static tiles to visit (`tfx.ops.block_plan.block_plan`).
-      scale: multiplier of Q·Kᵀ.
     Returns:
       float32 [B, K, G, T, Dv]; rows with no visible key are zeros.
     """
-    return _Kernel(plan, scale, block_q, block_k).attend(query, key, value, inputs)
+    return _Kernel(plan, block_q, block_k).attend(query, key, value, inputs)
 
 
 class _Kernel:
     """The static configuration of one blocked attention, and its forward and backward sweeps."""
 
-    def __init__(self, plan: BlockPlan, scale: float, block_q: int, block_k: int):
-        self.plan, self.scale, self.block_q, self.block_k = plan, scale, block_q, block_k
+    def __init__(self, plan: BlockPlan, block_q: int, block_k: int):
+        self.plan, self.block_q, self.block_k = plan, block_q, block_k
         self.attend = jax.custom_vjp(self._attend)
         self.attend.defvjp(self._forward, self._backward)
 
@@ -88,8 +91,9 @@ class _Kernel:
             key_block = jnp.asarray(plan.key_blocks)[query_block, i]
             tile_mask = None
             if partial:
-                tile_mask = jnp.asarray(plan.tile_masks)[
-                    jnp.asarray(plan.tile_mask_ids)[query_block, i]]
+                tile_id = jnp.asarray(plan.tile_mask_ids)[query_block, i]
+                tile_mask = jax.lax.dynamic_index_in_dim(jnp.asarray(plan.tile_masks), tile_id,
+                                                         keepdims=False)
             return visit(key_block, tile_mask, carry)
 
         full = jnp.asarray(plan.full_visits)[query_block]
@@ -112,14 +116,21 @@ class _Kernel:
             visible.append(tile_mask)
         return (functools.reduce(jnp.logical_and, visible) if visible else None), dynamic
 
-    def _scores(self, q_tile, k_tile, inputs: ScoreInputs, query_block, key_block, visible):
-        """Scaled, biased float32 scores of one tile, invisible pairs at the masked logit."""
-        scores = jnp.einsum("bkgqd,bksd->bkgqs", q_tile, k_tile,
-                            preferred_element_type=jnp.float32) * jnp.float32(self.scale)
+    def _scores(self, q_tile, k_tile, inputs: ScoreInputs, query_block, key_block, visible,
+                transposed=False):
+        """Biased float32 scores of one tile, -inf for invisible pairs.
+
+        [B, K, G, bq, bk], or [B, K, G, bk, bq] when `transposed` (the backward pass works on
+        the transposed tile so that its two largest products need no transposed copies).
+        """
+        pattern = "bksd,bkgqd->bkgsq" if transposed else "bkgqd,bksd->bkgqs"
+        operands = (k_tile, q_tile) if transposed else (q_tile, k_tile)
+        scores = jnp.einsum(pattern, *operands, preferred_element_type=jnp.float32)
+        flip = (lambda x: jnp.swapaxes(x, -1, -2)) if transposed else (lambda x: x)
         if inputs.bias is not None:
             bias_tile = self._cols(self._rows(inputs.bias, query_block), key_block, 4)
-            scores = scores + bias_tile.astype(jnp.float32)
-        return scores if visible is None else jnp.where(visible, scores, _MASKED_LOGIT)
+            scores = scores + flip(bias_tile).astype(jnp.float32)
+        return scores if visible is None else jnp.where(flip(visible), scores, -jnp.inf)
 
     def _each_tile(self, inputs, query_block, compute, carry):
         """Fold `compute(key_block, visible, carry)` over the planned tiles of a query block,
@@ -151,7 +162,7 @@ class _Kernel:
                 k_tile, v_tile = self._cols(key, key_block, 2), self._cols(value, key_block, 2)
                 scores = self._scores(q_tile, k_tile, inputs, qb, key_block, visible)
                 new_max = jnp.maximum(row_max, scores.max(axis=-1))
-                probs = _where(visible, jnp.exp(scores - new_max[..., None]))
+                probs = jnp.exp(scores - new_max[..., None])
                 correction = jnp.exp(row_max - new_max)
                 row_sum = row_sum * correction + probs.sum(axis=-1)
                 acc = acc * correction[..., None] + jnp.einsum(
@@ -159,7 +170,7 @@ class _Kernel:
                     preferred_element_type=jnp.float32)
                 return new_max, row_sum, acc
 
-            init = (jnp.full(rows, _MASKED_LOGIT), jnp.zeros(rows),
+            init = (jnp.full(rows, _ROW_MAX_INIT), jnp.zeros(rows),
                     jnp.zeros((*rows, value.shape[-1])))
             row_max, row_sum, acc = self._each_tile(inputs, qb, compute, init)
             has_keys = row_sum > 0.0
@@ -183,27 +194,29 @@ class _Kernel:
 
         def query_block(carry, qb):
             q_tile, do_tile = self._rows(query, qb), self._rows(d_out, qb)
-            lse_tile = self._rows(log_sum_exp, qb)[..., None]
-            delta_tile = self._rows(delta, qb)[..., None]
+            lse_tile = self._rows(log_sum_exp, qb)[..., None, :]
+            delta_tile = self._rows(delta, qb)[..., None, :]
 
             def compute(key_block, visible, carry):
+                # Transposed tiles [B, K, G, bk, bq]: P^T, dP^T and dS^T.
                 d_query, d_key, d_value, d_bias = carry
                 k_tile, v_tile = self._cols(key, key_block, 2), self._cols(value, key_block, 2)
-                scores = self._scores(q_tile, k_tile, inputs, qb, key_block, visible)
-                probs = _where(visible, jnp.exp(scores - lse_tile))
-                d_probs = jnp.einsum("bkgqd,bksd->bkgqs", do_tile, v_tile,
+                scores = self._scores(q_tile, k_tile, inputs, qb, key_block, visible,
+                                      transposed=True)
+                probs = jnp.exp(scores - lse_tile)  # lse is finite, so invisible pairs give 0
+                d_probs = jnp.einsum("bksd,bkgqd->bkgsq", v_tile, do_tile,
                                      preferred_element_type=jnp.float32)
                 d_scores = probs * (d_probs - delta_tile)
-                d_logits = d_scores * jnp.float32(self.scale)
                 key_start = (0, 0, key_block * self.block_k, 0)
-                d_value = _accumulate(d_value, jnp.einsum("bkgqs,bkgqd->bksd", probs, do_tile),
+                d_value = _accumulate(d_value, jnp.einsum("bkgsq,bkgqd->bksd", probs, do_tile),
                                       key_start)
                 d_key = _accumulate(d_key, jnp.einsum(
-                    "bkgqs,bkgqd->bksd", d_logits, q_tile.astype(jnp.float32)), key_start)
-                d_query = d_query + jnp.einsum("bkgqs,bksd->bkgqd", d_logits,
+                    "bkgsq,bkgqd->bksd", d_scores, q_tile.astype(jnp.float32)), key_start)
+                d_query = d_query + jnp.einsum("bkgsq,bksd->bkgqd", d_scores,
                                                k_tile.astype(jnp.float32))
                 if d_bias is not None:
-                    d_bias = self._add_bias_tile(d_bias, d_scores, qb, key_block)
+                    d_bias = self._add_bias_tile(d_bias, jnp.swapaxes(d_scores, -1, -2), qb,
+                                                 key_block)
                 return d_query, d_key, d_value, d_bias
 
             d_key, d_value, d_bias = carry
@@ -239,11 +252,6 @@ def _unblock(x):
     """[num_q_blocks, B, K, G, bq, ...] from a loop over query blocks -> [B, K, G, T, ...]."""
     x = jnp.moveaxis(x, 0, 3)
     return x.reshape(*x.shape[:3], -1, *x.shape[5:])
-
-
-def _where(visible, probs):
-    """Zero the probabilities of invisible pairs (nothing to do when all are visible)."""
-    return probs if visible is None else jnp.where(visible, probs, 0.0)
 
 
 def _accumulate(total, update, starts):
