@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from tfx.ops import dot_product_attention
 from tfx.ops.attention import IMPLEMENTATIONS
+from tfx.ops.positional import RopeScaling, alibi_bias, alibi_slopes, apply_rope
 from tfx.ops.sparse import SparsitySpec
 
-__all__ = ["Attention"]
+__all__ = ["Attention", "Rope"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """Rotary embedding settings applied to queries and keys (see `tfx.ops.positional.apply_rope`).
+
+    theta: base (LLaMA 10000, LLaMA 3 500000); layout: "half" (HF) or "interleaved" (Meta,
+    GPT-J); scaling: None or a RopeScaling object; fraction: share of head_dim rotated.
+    """
+
+    theta: float = 10000.0
+    layout: str = "half"
+    scaling: RopeScaling | None = None
+    fraction: float = 1.0
 
 
 class Attention(nnx.Module):
@@ -27,6 +44,8 @@ class Attention(nnx.Module):
       kv_features: width of the cross-attention context (default d_model).
       use_bias: biases on the four projections (BERT, GPT-2: True; LLaMA, T5: False).
       scale: score multiplier (default 1/sqrt(head_dim); T5 uses 1.0).
+      rope: rotary embeddings on queries and keys (LLaMA, Mistral, GPT-NeoX), or None.
+      alibi: add ALiBi biases (Press et al.) computed from the query and key positions.
       implementation: "reference", "blocked" or None (automatic), as in the op.
       block_sizes: (block_q, block_k) for the blocked path, or None for the default.
       dtype: compute dtype (e.g. jnp.bfloat16); param_dtype: storage dtype of the weights.
@@ -34,9 +53,10 @@ class Attention(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, kv_features: int | None = None,
-                 use_bias: bool = False, scale: float | None = None,
-                 implementation: str | None = None, block_sizes: tuple[int, int] | None = None,
-                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 use_bias: bool = False, scale: float | None = None, rope: Rope | None = None,
+                 alibi: bool = False, implementation: str | None = None,
+                 block_sizes: tuple[int, int] | None = None, dtype=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(
@@ -52,6 +72,7 @@ class Attention(nnx.Module):
                 f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.implementation, self.block_sizes = scale, implementation, block_sizes
+        self.rope, self.alibi = rope, alibi
         kv_features = d_model if kv_features is None else kv_features
 
         def linear(features_in, features_out):
@@ -67,12 +88,17 @@ class Attention(nnx.Module):
                  mask: jax.Array | None = None, bias: jax.Array | None = None,
                  is_causal: bool = False, sparsity: SparsitySpec | None = None,
                  query_segment_ids: jax.Array | None = None,
-                 key_segment_ids: jax.Array | None = None) -> jax.Array:
+                 key_segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None,
+                 key_positions: jax.Array | None = None) -> jax.Array:
         """Attend from `x` to `context` (or to `x` itself).
 
         Args:
           x: [batch, q_len, d_model].
           context: [batch, kv_len, kv_features] for cross-attention; None for self-attention.
+          positions: int [batch, q_len] or [q_len], true positions of the queries for RoPE and
+            ALiBi (default 0 .. q_len - 1); key_positions likewise for the keys (default: the
+            query positions in self-attention, 0 .. kv_len - 1 in cross-attention).
           mask, bias, is_causal, sparsity, query_segment_ids, key_segment_ids: as in
             `tfx.ops.dot_product_attention` (masks broadcast to [batch, heads, q_len, kv_len]).
         Returns:
@@ -87,6 +113,20 @@ class Attention(nnx.Module):
             proj(context).reshape(batch, context.shape[1], self.num_kv_heads, self.head_dim)
             for proj in (self.key, self.value)
         )
+        if self.rope is not None or self.alibi:
+            if positions is None:
+                positions = jnp.arange(q_len)
+            if key_positions is None:
+                key_positions = positions if context is x else jnp.arange(key.shape[1])
+        if self.rope is not None:
+            rope = dict(theta=self.rope.theta, layout=self.rope.layout,
+                        scaling=self.rope.scaling, rotary_fraction=self.rope.fraction)
+            query = apply_rope(query, positions, **rope)
+            key = apply_rope(key, key_positions, **rope)
+        if self.alibi:
+            alibi = alibi_bias(alibi_slopes(self.num_heads), positions, key_positions)
+            alibi = alibi if alibi.ndim == 4 else alibi[None]
+            bias = alibi if bias is None else bias + alibi
         out = dot_product_attention(
             query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=self.scale,
             sparsity=sparsity, query_segment_ids=query_segment_ids,

@@ -1,0 +1,77 @@
+"""One transformer layer built from a config: attention, optional cross-attention, MLP, with
+pre- or post-normalisation and residual dropout."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tfx.models.config import TransformerConfig
+from tfx.nn.attention import Attention, Rope
+from tfx.nn.mlp import MLP
+from tfx.nn.norms import make_norm
+
+__all__ = ["Block", "dtypes"]
+
+
+def dtypes(config: TransformerConfig) -> dict:
+    """The dtype / param_dtype keyword arguments of every module of a model."""
+    return {"dtype": None if config.dtype is None else jnp.dtype(config.dtype),
+            "param_dtype": jnp.dtype(config.param_dtype)}
+
+
+class Block(nnx.Module):
+    """x -> x + attention -> [x + cross-attention] -> x + MLP.
+
+    Pre-norm (GPT-2, LLaMA, T5): x + f(norm(x)); post-norm (BERT, original Transformer):
+    norm(x + f(x)). Dropout is applied to each branch before the residual sum.
+    """
+
+    def __init__(self, config: TransformerConfig, *, cross_attention: bool = False,
+                 rngs: nnx.Rngs):
+        c = config
+        kinds = dtypes(c)
+        rope = None
+        if c.position == "rope":
+            rope = Rope(c.rope_theta, c.rope_layout, c.rope_scaling, c.rope_fraction)
+
+        def attention(**kwargs):
+            return Attention(c.d_model, c.num_heads, num_kv_heads=c.kv_heads,
+                             head_dim=c.head_dim, use_bias=c.use_bias, scale=c.attention_scale,
+                             implementation=c.implementation, rngs=rngs, **kinds, **kwargs)
+
+        def norm():
+            return make_norm(c.norm, c.d_model, epsilon=c.norm_eps, rngs=rngs, **kinds)
+
+        self.pre_norm = c.pre_norm
+        self.attention = attention(rope=rope, alibi=c.position == "alibi")
+        self.attention_norm = norm()
+        self.cross_attention = attention() if cross_attention else None
+        self.cross_norm = norm() if cross_attention else None
+        self.mlp = MLP(c.d_model, c.d_ff, activation=c.activation, gated=c.gated_mlp,
+                       use_bias=c.use_bias, rngs=rngs, **kinds)
+        self.mlp_norm = norm()
+        self.dropout = nnx.Dropout(c.dropout, rngs=rngs)
+
+    def __call__(self, x: jax.Array, *, context: jax.Array | None = None,
+                 context_mask: jax.Array | None = None, **attention_args) -> jax.Array:
+        """[batch, seq, d_model] -> same.
+
+        Args:
+          context: encoder output [batch, src_len, d_model] for the cross-attention layer.
+          context_mask: bool mask for the cross-attention, broadcastable to
+            [batch, heads, seq, src_len].
+          attention_args: mask, bias, is_causal, sparsity, positions, segment ids of the
+            self-attention (see `tfx.nn.Attention`).
+        """
+        x = self._residual(x, self.attention_norm, lambda h: self.attention(h, **attention_args))
+        if self.cross_attention is not None:
+            x = self._residual(x, self.cross_norm,
+                               lambda h: self.cross_attention(h, context, mask=context_mask))
+        return self._residual(x, self.mlp_norm, self.mlp)
+
+    def _residual(self, x, norm, branch):
+        if self.pre_norm:
+            return x + self.dropout(branch(norm(x)))
+        return norm(x + self.dropout(branch(x)))

@@ -1,0 +1,150 @@
+"""Model configurations: one frozen, validated dataclass per family, with named presets.
+
+Fields shared by every family live in `TransformerConfig`; `EncoderConfig` (BERT),
+`DecoderConfig` (GPT-2 / LLaMA / Mistral) and `EncoderDecoderConfig` (T5, original Transformer)
+add their own. Every field is validated in `__post_init__` with a message naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tfx.nn.mlp import ACTIVATIONS
+from tfx.nn.norms import NORMS
+from tfx.ops.attention import IMPLEMENTATIONS
+from tfx.ops.positional import RopeScaling
+
+__all__ = ["POSITIONS", "DecoderConfig", "EncoderConfig", "EncoderDecoderConfig",
+           "TransformerConfig"]
+
+# How a model knows where tokens are: added to the embeddings ("learned", "sinusoidal"), rotated
+# into queries and keys ("rope"), added to the scores ("alibi", "t5"), or not at all ("none").
+POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "t5", "none")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransformerConfig:
+    """Fields shared by every family. Widths: d_model = hidden size, d_ff = MLP hidden size."""
+
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    d_ff: int
+    num_kv_heads: int | None = None  # None: num_heads (MHA)
+    head_dim: int | None = None  # None: d_model // num_heads
+    max_len: int = 2048  # learned positions: table size; otherwise informative
+    position: str = "learned"
+    rope_theta: float = 10000.0
+    rope_layout: str = "half"
+    rope_scaling: RopeScaling | None = None
+    rope_fraction: float = 1.0
+    t5_num_buckets: int = 32
+    t5_max_distance: int = 128
+    activation: str = "gelu"
+    gated_mlp: bool = False
+    norm: str = "layer"
+    norm_eps: float = 1e-5
+    pre_norm: bool = True
+    use_bias: bool = True  # attention and MLP projections
+    attention_scale: float | None = None  # None: 1/sqrt(head_dim); T5: 1.0
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    implementation: str | None = None  # attention kernel, see tfx.ops.dot_product_attention
+    dtype: str | None = None  # compute dtype, e.g. "bfloat16"; None: float32
+    param_dtype: str = "float32"
+    remat: bool = False  # rematerialise each layer in the backward pass
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len",
+                     "t5_num_buckets", "t5_max_distance"):
+            _positive_int(name, getattr(self, name))
+        if self.num_kv_heads is not None:
+            _positive_int("num_kv_heads", self.num_kv_heads)
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({self.kv_heads}) must divide num_heads ({self.num_heads})")
+        if self.head_dim is None and self.d_model % self.num_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads "
+                             f"({self.num_heads}) unless head_dim is given")
+        _one_of("position", self.position, POSITIONS)
+        _one_of("activation", self.activation, tuple(ACTIVATIONS))
+        _one_of("norm", self.norm, NORMS)
+        _one_of("rope_layout", self.rope_layout, ("half", "interleaved"))
+        _one_of("implementation", self.implementation, (None, *IMPLEMENTATIONS))
+        _one_of("dtype", self.dtype, (None, "float32", "bfloat16", "float16"))
+        _one_of("param_dtype", self.param_dtype, ("float32", "bfloat16", "float16"))
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
+        if not 0.0 < self.rope_fraction <= 1.0:
+            raise ValueError(f"rope_fraction must be in (0, 1], got {self.rope_fraction}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    def replace(self, **changes) -> TransformerConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderConfig(TransformerConfig):
+    """Causal language model (GPT-2, LLaMA, Mistral): sliding_window limits how far back a
+    token attends (Mistral), None for full causal attention."""
+
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sliding_window is not None:
+            _positive_int("sliding_window", self.sliding_window)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EncoderConfig(TransformerConfig):
+    """Bidirectional encoder (BERT): token types, [CLS] pooler, tied MLM head."""
+
+    type_vocab_size: int = 2
+    pad_token_id: int = 0
+    cls_token_id: int = 101
+    sep_token_id: int = 102
+    mask_token_id: int = 103
+
+    def __post_init__(self):
+        super().__post_init__()
+        _positive_int("type_vocab_size", self.type_vocab_size)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EncoderDecoderConfig(TransformerConfig):
+    """Encoder–decoder (T5, original Transformer): num_layers encoder layers and
+    num_decoder_layers decoder layers (default: as many), cross-attention in every decoder
+    layer. T5 scales the tied output head by d_model**-0.5 (`scale_tied_head`)."""
+
+    num_decoder_layers: int | None = None
+    decoder_start_token_id: int = 0
+    scale_tied_head: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_decoder_layers is not None:
+            _positive_int("num_decoder_layers", self.num_decoder_layers)
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _one_of(name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")

@@ -1,0 +1,68 @@
+"""Bidirectional encoder: BERT, MiniLM and relatives."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tfx.models.block import dtypes
+from tfx.models.config import EncoderConfig
+from tfx.models.decoder import _check_ids
+from tfx.models.stack import Embeddings, Stack
+from tfx.nn.mlp import ACTIVATIONS
+from tfx.nn.norms import make_norm
+from tfx.ops.masks import padding_mask
+
+__all__ = ["Encoder"]
+
+
+class Encoder(nnx.Module):
+    """Word + position + token-type embeddings -> bidirectional layers; a [CLS] pooler and a
+    masked-LM head tied to the word embeddings.
+
+    Call it like Hugging Face's BertModel:
+    `hidden = model(input_ids, attention_mask=mask, token_type_ids=types)`.
+    """
+
+    def __init__(self, config: EncoderConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, EncoderConfig):
+            raise TypeError(f"config must be an EncoderConfig, got {type(config).__name__}")
+        c, kinds = config, dtypes(config)
+        self.config = config
+        self.embeddings = Embeddings(c, rngs=rngs)
+        self.stack = Stack(c, causal=False, rngs=rngs)
+        self.pooler = nnx.Linear(c.d_model, c.d_model, rngs=rngs, **kinds)
+        self.mlm_transform = nnx.Linear(c.d_model, c.d_model, rngs=rngs, **kinds)
+        self.mlm_norm = make_norm(c.norm, c.d_model, epsilon=c.norm_eps, rngs=rngs, **kinds)
+        self.mlm_bias = nnx.Param(jnp.zeros((c.vocab_size,), kinds["param_dtype"]))
+
+    def __call__(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None,
+                 token_type_ids: jax.Array | None = None,
+                 position_ids: jax.Array | None = None) -> jax.Array:
+        """Last hidden state.
+
+        Args:
+          input_ids: int [batch, seq], e.g. [CLS] A [SEP] B [SEP] and padding.
+          attention_mask: optional [batch, seq], 1/True for real tokens.
+          token_type_ids: optional int [batch, seq]: 0 through the first [SEP], 1 after.
+          position_ids: optional int [batch, seq] (default 0 .. seq - 1).
+        Returns:
+          float32 [batch, seq, d_model].
+        """
+        _check_ids(input_ids)
+        positions = jnp.arange(input_ids.shape[1]) if position_ids is None else position_ids
+        mask = None if attention_mask is None else padding_mask(attention_mask.astype(bool))
+        x = self.embeddings(input_ids, positions, token_type_ids)
+        return self.stack(x, positions=positions, mask=mask).astype(jnp.float32)
+
+    def pooled(self, hidden: jax.Array) -> jax.Array:
+        """BERT's pooler: tanh(Linear(h[CLS])), [batch, d_model]."""
+        return jnp.tanh(self.pooler(hidden[:, 0]))
+
+    def mlm_logits(self, hidden: jax.Array) -> jax.Array:
+        """Masked-LM head: Linear -> activation -> norm -> tied word embeddings + bias,
+        float32 [batch, seq, vocab_size]."""
+        h = self.mlm_norm(ACTIVATIONS[self.config.activation](self.mlm_transform(hidden)))
+        logits = self.embeddings.tokens.attend(h) + self.mlm_bias[...]
+        return logits.astype(jnp.float32)

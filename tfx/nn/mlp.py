@@ -1,0 +1,52 @@
+"""Position-wise feed-forward blocks: plain (GELU / ReLU) and gated (SwiGLU / GeGLU)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = ["ACTIVATIONS", "MLP"]
+
+ACTIVATIONS = {
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),  # exact erf GELU (BERT)
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),  # GPT-2's "gelu_new"
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+}
+
+
+class MLP(nnx.Module):
+    """down(act(up(x))), or down(act(gate(x)) * up(x)) when `gated` (SwiGLU: silu, GeGLU: gelu).
+
+    Args:
+      d_model, d_ff: model and hidden widths.
+      activation: a key of ACTIVATIONS.
+      gated: the gated form (LLaMA, Mistral, T5 v1.1) with a third projection.
+      use_bias: biases on the projections (GPT-2, BERT: True; LLaMA, T5: False).
+      dropout: rate applied to the hidden activations (T5) — 0 disables it.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, *, activation: str = "gelu", gated: bool = False,
+                 use_bias: bool = True, dropout: float = 0.0, dtype=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        self.activation = activation
+
+        def linear(features_in, features_out):
+            return nnx.Linear(features_in, features_out, use_bias=use_bias, dtype=dtype,
+                              param_dtype=param_dtype, rngs=rngs)
+
+        self.up = linear(d_model, d_ff)
+        self.gate = linear(d_model, d_ff) if gated else None
+        self.down = linear(d_ff, d_model)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """[batch, seq, d_model] -> [batch, seq, d_model]."""
+        act = ACTIVATIONS[self.activation]
+        hidden = act(self.up(x)) if self.gate is None else act(self.gate(x)) * self.up(x)
+        return self.down(self.dropout(hidden))
