@@ -1,0 +1,160 @@
+"""Models built from every preset: shapes, functional use, configuration errors, and the pieces
+(embeddings, MLP, norms, blocks) against written-out formulas."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tfx.models import PRESETS, Decoder, DecoderConfig, Encoder, EncoderDecoder, create
+from tfx.nn.embeddings import TokenEmbedding
+from tfx.nn.mlp import MLP
+
+SMALL = dict(num_layers=2, d_model=32, num_heads=4, d_ff=64, vocab_size=97)
+
+
+def _small(name):
+    overrides = dict(SMALL)
+    if PRESETS[name].num_kv_heads:
+        overrides["num_kv_heads"] = 2
+    return create(name, rngs=nnx.Rngs(0), dropout=0.0, **overrides)
+
+
+def _call(model, ids, **kwargs):
+    if isinstance(model, EncoderDecoder):
+        return model(ids, decoder_input_ids=ids[:, :5], **kwargs)
+    return model(ids, **kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_builds_and_runs(name):
+    model = _small(name)
+    ids = jax.random.randint(jax.random.key(0), (2, 9), 0, 97)
+    out = _call(model, ids, attention_mask=jnp.ones((2, 9), bool))
+    width = 32 if isinstance(model, Encoder) else 97  # hidden states vs logits
+    chex.assert_shape(out, (2, 5 if isinstance(model, EncoderDecoder) else 9, width))
+    assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
+
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def apply(state, ids):
+        return _call(nnx.merge(graphdef, state), ids)
+
+    chex.assert_trees_all_close(apply(state, ids), _call(model, ids), atol=1e-5)
+
+
+def test_presets_have_the_published_sizes():
+    def count(name):
+        model = create(name, rngs=nnx.Rngs(0))
+        return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+    # BERT-base: 109.5M with pooler; the tfx encoder adds the 0.6M MLM transform and bias.
+    assert abs(count("bert-base") - 110.1e6) < 0.2e6
+    assert abs(count("gpt2-small") - 124.4e6) < 0.1e6  # GPT-2 small: 124M, tied head
+
+
+def test_decoder_is_causal():
+    model = _small("char-gpt")
+    ids = jax.random.randint(jax.random.key(1), (1, 10), 0, 97)
+    changed = ids.at[0, 7].set((ids[0, 7] + 1) % 97)
+    a, b = model(ids), model(changed)
+    chex.assert_trees_all_close(a[:, :7], b[:, :7], atol=1e-6)
+    assert float(jnp.max(jnp.abs(a[:, 7:] - b[:, 7:]))) > 1e-4
+
+
+def test_sliding_window_limits_how_far_back_a_token_sees():
+    config = PRESETS["llama-tiny"].replace(**SMALL, num_kv_heads=2)
+    model = Decoder(DecoderConfig(**{**vars(config), "sliding_window": 3}), rngs=nnx.Rngs(0))
+    ids = jax.random.randint(jax.random.key(2), (1, 12), 0, 97)
+    changed = ids.at[0, 2].set((ids[0, 2] + 1) % 97)
+    diff = jnp.max(jnp.abs(model(ids) - model(changed)), axis=-1)[0]
+    # With 2 layers of window 3, token 2 reaches positions 2 .. 6 and no further.
+    assert bool(jnp.all(diff[:2] < 1e-6)) and bool(jnp.all(diff[2:7] > 1e-6))
+    assert bool(jnp.all(diff[7:] < 1e-6))
+
+
+def test_padding_does_not_change_real_tokens():
+    model = _small("bert-base")
+    ids = jax.random.randint(jax.random.key(3), (1, 6), 1, 97)
+    padded = jnp.concatenate([ids, jnp.zeros((1, 3), ids.dtype)], axis=1)
+    mask = jnp.array([[1] * 6 + [0] * 3])
+    chex.assert_trees_all_close(model(padded, attention_mask=mask)[:, :6], model(ids),
+                                atol=1e-5)
+
+
+def test_one_hot_embedding_equals_gather():
+    gather = TokenEmbedding(50, 8, rngs=nnx.Rngs(0))
+    one_hot = TokenEmbedding(50, 8, one_hot=True, rngs=nnx.Rngs(0))
+    ids = jnp.array([[0, 7, 49, 7]])
+    chex.assert_trees_all_close(one_hot(ids), gather(ids), atol=1e-6)
+    np.testing.assert_allclose(gather(ids)[0, 1], gather.table[...][7])
+
+
+@pytest.mark.parametrize("activation,gated,reference", [
+    ("gelu", False, lambda x: 0.5 * x * (1 + jax.scipy.special.erf(x / np.sqrt(2)))),
+    ("gelu_tanh", False,
+     lambda x: 0.5 * x * (1 + jnp.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))),
+    ("relu", False, lambda x: jnp.maximum(x, 0)),
+    ("silu", True, lambda x: x / (1 + jnp.exp(-x))),
+])
+def test_mlp_matches_written_out(activation, gated, reference):
+    mlp = MLP(8, 16, activation=activation, gated=gated, use_bias=not gated, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(4), (2, 3, 8))
+
+    def linear(layer, h):
+        out = h @ layer.kernel[...]
+        return out if layer.bias is None else out + layer.bias[...]
+
+    hidden = reference(linear(mlp.up, x)) if not gated else (
+        reference(linear(mlp.gate, x)) * linear(mlp.up, x))
+    chex.assert_trees_all_close(mlp(x), linear(mlp.down, hidden), atol=1e-5)
+
+
+def test_bfloat16_compute_runs_on_cpu():
+    model = create("char-gpt", rngs=nnx.Rngs(0), num_layers=1, dtype="bfloat16")
+    logits = model(jnp.ones((1, 8), jnp.int32))
+    assert logits.dtype == jnp.float32
+    assert model.embeddings.tokens.table[...].dtype == jnp.float32
+
+
+def test_remat_gives_the_same_gradients():
+    plain = create("char-gpt", rngs=nnx.Rngs(0), num_layers=2)
+    remat = create("char-gpt", rngs=nnx.Rngs(0), num_layers=2, remat=True)
+    ids = jnp.arange(16)[None] % 256
+
+    def loss(model):
+        return jnp.mean(model(ids) ** 2)
+
+    chex.assert_trees_all_close(nnx.grad(loss)(remat), nnx.grad(loss)(plain), atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides,error,match", [
+    ({"num_kv_heads": 3}, ValueError, r"num_kv_heads \(3\) must divide num_heads \(4\)"),
+    ({"d_model": 30}, ValueError, r"d_model \(30\) must be divisible by num_heads \(4\)"),
+    ({"position": "xpos"}, ValueError, "position must be one of"),
+    ({"activation": "swish"}, ValueError, "activation must be one of"),
+    ({"norm": "batch"}, ValueError, "norm must be one of"),
+    ({"num_layers": 0}, ValueError, "num_layers must be >= 1"),
+    ({"d_ff": 64.0}, TypeError, "d_ff must be an int"),
+    ({"dropout": 1.0}, ValueError, r"dropout must be in \[0, 1\)"),
+    ({"sliding_window": 0}, ValueError, "sliding_window must be >= 1"),
+    ({"implementation": "flash"}, ValueError, "implementation must be one of"),
+])
+def test_bad_config(overrides, error, match):
+    with pytest.raises(error, match=match):
+        PRESETS["char-gpt"].replace(**{**SMALL, **overrides})
+
+
+def test_bad_calls():
+    with pytest.raises(ValueError, match="unknown preset 'gpt5'"):
+        create("gpt5")
+    with pytest.raises(TypeError, match="config must be a preset name"):
+        create({"d_model": 3})
+    model = _small("char-gpt")
+    with pytest.raises(ValueError, match=r"input_ids must be int \[batch, seq\]"):
+        model(jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match="exceeds the learned position table"):
+        _small("gpt2-small")(jnp.ones((1, 2048), jnp.int32))
