@@ -96,3 +96,64 @@ def test_bad_width_and_input():
         Attention(30, 4, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"x must have 3 dims \[batch, q_len, d_model\]"):
         Attention(32, 4, rngs=nnx.Rngs(0))(jnp.ones((4, 32)))
+
+
+def _projections(module, x):
+    def proj(linear, heads):
+        return (x @ linear.kernel[...]).reshape(*x.shape[:2], heads, -1)
+
+    return (proj(module.query, module.num_heads), proj(module.key, module.num_kv_heads),
+            proj(module.value, module.num_kv_heads))
+
+
+def test_rope_and_alibi_use_true_positions():
+    """Positions shifted by a constant leave RoPE attention unchanged (relative property) and
+    match the op applied by hand; ALiBi equals the op with the written-out bias."""
+    from tfx.nn import Rope
+    from tfx.ops.positional import alibi_bias, alibi_slopes, apply_rope
+
+    x = jax.random.normal(jax.random.key(3), (1, 6, 16))
+    rope = Attention(16, 2, rope=Rope(theta=500.0), rngs=nnx.Rngs(0))
+    positions = jnp.arange(6) + 40
+    query, key, value = _projections(rope, x)
+    expected = dot_product_attention(apply_rope(query, positions, theta=500.0),
+                                     apply_rope(key, positions, theta=500.0), value,
+                                     is_causal=True)
+    expected = expected.reshape(1, 6, 16) @ rope.out.kernel[...]
+    chex.assert_trees_all_close(rope(x, is_causal=True, positions=positions), expected, atol=1e-5)
+    chex.assert_trees_all_close(rope(x, is_causal=True), expected, atol=1e-4)
+
+    alibi = Attention(16, 2, alibi=True, rngs=nnx.Rngs(0))
+    query, key, value = _projections(alibi, x)
+    bias = alibi_bias(alibi_slopes(2), jnp.arange(6), jnp.arange(6))[None]
+    expected = dot_product_attention(query, key, value, bias=bias, is_causal=True)
+    chex.assert_trees_all_close(alibi(x, is_causal=True),
+                                expected.reshape(1, 6, 16) @ alibi.out.kernel[...], atol=1e-5)
+
+
+def test_transformer_xl_relative_attention_matches_the_paper_formula():
+    """Dai et al. 2019, eq. (3): A_ij = (q_i + u)·k_j + (q_i + v)·W_R R_{i-j}, scaled, causal,
+    with R built explicitly for every (i, j) here."""
+    from tfx.ops.positional import sinusoidal
+
+    module = Attention(16, 2, relative=True, rngs=nnx.Rngs(0))
+    module.content_bias[...] = jax.random.normal(jax.random.key(4), (2, 8))
+    module.position_bias[...] = jax.random.normal(jax.random.key(5), (2, 8))
+    x = jax.random.normal(jax.random.key(6), (2, 7, 16))
+    query, key, value = (np.asarray(t, np.float64) for t in _projections(module, x))
+    u, v = np.asarray(module.content_bias[...]), np.asarray(module.position_bias[...])
+    w_r = np.asarray(module.position_proj.kernel[...])
+    out = np.zeros_like(value)
+    for b in range(2):
+        for h in range(2):
+            scores = np.full((7, 7), -np.inf)
+            for i in range(7):
+                for j in range(i + 1):
+                    r = np.asarray(sinusoidal(jnp.array(i - j), 16, layout="concat")) @ w_r
+                    r = r.reshape(2, 8)[h]
+                    scores[i, j] = ((query[b, i, h] + u[h]) @ key[b, j, h]
+                                    + (query[b, i, h] + v[h]) @ r) / np.sqrt(8)
+            weights = np.exp(scores - scores.max(-1, keepdims=True))
+            out[b, :, h] = (weights / weights.sum(-1, keepdims=True)) @ value[b, :, h]
+    expected = out.reshape(2, 7, 16) @ np.asarray(module.out.kernel[...])
+    np.testing.assert_allclose(module(x, is_causal=True), expected, atol=1e-4, rtol=1e-4)

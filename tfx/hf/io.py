@@ -91,22 +91,30 @@ def _load(path: pathlib.Path) -> dict[str, np.ndarray]:
 
 def flat_params(model: nnx.Module) -> dict[Path, np.ndarray]:
     """The model's parameters by state path, e.g. ('stack', 'layers', 0, 'mlp', 'up', 'kernel')."""
-    return {path: np.asarray(var[...]) for path, var in nnx.state(model, nnx.Param).flat_state()}
+    state = nnx.state(model, nnx.Param)
+    return {path: np.asarray(var[...]) for path, var in nnx.to_flat_state(state)}
 
 
 def assign_params(model: nnx.Module, params: Mapping[Path, np.ndarray], *,
-                  source: str) -> None:
+                  source: str, optional: tuple[Path, ...] = ()) -> None:
     """Set every parameter of `model` from `params`, checking that nothing is missing, left
-    over or of the wrong shape (errors name the parameter and `source`)."""
+    over or of the wrong shape (errors name the parameter and `source`).
+
+    `optional` lists path prefixes (e.g. `("pooler",)`) of parameters that `params` may lack:
+    those keep the model's current (initial) values, as for a head a checkpoint does not have.
+    """
     state = nnx.state(model, nnx.Param)
-    expected = dict(state.flat_state())
-    missing = sorted(set(expected) - set(params), key=str)
+    expected = dict(nnx.to_flat_state(state))
+    missing = sorted((p for p in set(expected) - set(params)
+                      if not any(p[:len(prefix)] == prefix for prefix in optional)), key=str)
     extra = sorted(set(params) - set(expected), key=str)
     if missing or extra:
         raise ValueError(f"{source}: weights do not match the model: missing "
                          f"{[_name(p) for p in missing][:5]}, unexpected "
                          f"{[_name(p) for p in extra][:5]}")
     for path, var in expected.items():
+        if path not in params:  # optional, keeps its value
+            continue
         value = np.asarray(params[path])
         if value.shape != var[...].shape:
             raise ValueError(f"{source}: tensor for {_name(path)} has shape {value.shape}, "

@@ -45,7 +45,8 @@ class Block(nnx.Module):
             return make_norm(c.norm, c.d_model, epsilon=c.norm_eps, rngs=rngs, **kinds)
 
         self.pre_norm = c.pre_norm
-        self.attention = attention(rope=rope, alibi=c.position == "alibi")
+        self.attention = attention(rope=rope, alibi=c.position == "alibi",
+                                   relative=c.position == "xl")
         self.attention_norm = norm()
         self.cross_attention = attention() if cross_attention else None
         self.cross_norm = norm() if cross_attention else None

@@ -18,8 +18,9 @@ __all__ = ["POSITIONS", "DecoderConfig", "EncoderConfig", "EncoderDecoderConfig"
            "TransformerConfig"]
 
 # How a model knows where tokens are: added to the embeddings ("learned", "sinusoidal"), rotated
-# into queries and keys ("rope"), added to the scores ("alibi", "t5"), or not at all ("none").
-POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "t5", "none")
+# into queries and keys ("rope"), added to the scores ("alibi", "t5", and Transformer-XL's
+# relative attention "xl", decoders only), or not at all ("none", NoPE).
+POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "t5", "xl", "none")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,6 +117,7 @@ class EncoderConfig(TransformerConfig):
     def __post_init__(self):
         super().__post_init__()
         _positive_int("type_vocab_size", self.type_vocab_size)
+        _causal_only(self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,6 +132,7 @@ class EncoderDecoderConfig(TransformerConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        _causal_only(self)
         if self.num_decoder_layers is not None:
             _positive_int("num_decoder_layers", self.num_decoder_layers)
 
@@ -143,6 +146,12 @@ def _positive_int(name: str, value) -> None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _causal_only(config: TransformerConfig) -> None:
+    if config.position == "xl":
+        raise ValueError(f"position 'xl' (Transformer-XL relative attention) needs causal "
+                         f"self-attention: use it in a DecoderConfig, not {type(config).__name__}")
 
 
 def _one_of(name: str, value, allowed: tuple) -> None:

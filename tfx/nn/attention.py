@@ -10,7 +10,14 @@ from flax import nnx
 
 from tfx.ops import dot_product_attention
 from tfx.ops.attention import IMPLEMENTATIONS
-from tfx.ops.positional import RopeScaling, alibi_bias, alibi_slopes, apply_rope
+from tfx.ops.positional import (
+    RopeScaling,
+    alibi_bias,
+    alibi_slopes,
+    apply_rope,
+    transformer_xl_position_embeddings,
+    transformer_xl_position_scores,
+)
 from tfx.ops.sparse import SparsitySpec
 
 __all__ = ["Attention", "Rope"]
@@ -46,6 +53,10 @@ class Attention(nnx.Module):
       scale: score multiplier (default 1/sqrt(head_dim); T5 uses 1.0).
       rope: rotary embeddings on queries and keys (LLaMA, Mistral, GPT-NeoX), or None.
       alibi: add ALiBi biases (Press et al.) computed from the query and key positions.
+      relative: Transformer-XL relative attention (Dai et al. 2019): learned content and
+        position biases u, v [num_heads, head_dim] and a projection W_R of sinusoidal relative
+        embeddings; scores (q + u)·k + (q + v)·W_R R_{i-j}. Causal self-attention only (the
+        queries are the last q_len of the keys).
       implementation: "reference", "blocked" or None (automatic), as in the op.
       block_sizes: (block_q, block_k) for the blocked path, or None for the default.
       dtype: compute dtype (e.g. jnp.bfloat16); param_dtype: storage dtype of the weights.
@@ -54,7 +65,7 @@ class Attention(nnx.Module):
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, kv_features: int | None = None,
                  use_bias: bool = False, scale: float | None = None, rope: Rope | None = None,
-                 alibi: bool = False, implementation: str | None = None,
+                 alibi: bool = False, relative: bool = False, implementation: str | None = None,
                  block_sizes: tuple[int, int] | None = None, dtype=None,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -72,7 +83,7 @@ class Attention(nnx.Module):
                 f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.implementation, self.block_sizes = scale, implementation, block_sizes
-        self.rope, self.alibi = rope, alibi
+        self.rope, self.alibi, self.d_model = rope, alibi, d_model
         kv_features = d_model if kv_features is None else kv_features
 
         def linear(features_in, features_out):
@@ -83,6 +94,13 @@ class Attention(nnx.Module):
         self.key = linear(kv_features, num_kv_heads * head_dim)
         self.value = linear(kv_features, num_kv_heads * head_dim)
         self.out = linear(num_heads * head_dim, d_model)
+        # Transformer-XL's W_R, u and v (None unless `relative`).
+        self.position_proj = (nnx.Linear(d_model, num_heads * head_dim, use_bias=False,
+                                         dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                              if relative else None)
+        zeros = jnp.zeros((num_heads, head_dim), param_dtype)
+        self.content_bias = nnx.Param(zeros) if relative else None
+        self.position_bias = nnx.Param(zeros) if relative else None
 
     def __call__(self, x: jax.Array, context: jax.Array | None = None, *,
                  mask: jax.Array | None = None, bias: jax.Array | None = None,
@@ -127,6 +145,9 @@ class Attention(nnx.Module):
             alibi = alibi_bias(alibi_slopes(self.num_heads), positions, key_positions)
             alibi = alibi if alibi.ndim == 4 else alibi[None]
             bias = alibi if bias is None else bias + alibi
+        if self.position_proj is not None:
+            query, relative = self._relative(query, key.shape[1])
+            bias = relative if bias is None else bias + relative
         out = dot_product_attention(
             query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=self.scale,
             sparsity=sparsity, query_segment_ids=query_segment_ids,
@@ -134,3 +155,13 @@ class Attention(nnx.Module):
             block_sizes=self.block_sizes,
         )
         return self.out(out.reshape(batch, q_len, self.num_heads * self.head_dim))
+
+    def _relative(self, query: jax.Array, kv_len: int) -> tuple[jax.Array, jax.Array]:
+        """Transformer-XL: the query with the content bias u added, and the position term as a
+        bias already multiplied by the score scale (the kernel scales only q·k)."""
+        table = transformer_xl_position_embeddings(kv_len, self.d_model).astype(query.dtype)
+        position_keys = self.position_proj(table).reshape(kv_len, self.num_heads, self.head_dim)
+        scale = self.scale if self.scale is not None else self.head_dim**-0.5
+        terms = transformer_xl_position_scores(
+            query, position_keys, self.position_bias[...].astype(query.dtype))
+        return query + self.content_bias[...].astype(query.dtype), terms * scale

@@ -21,6 +21,7 @@ from tfx.ops.positional.rope import (
 from tfx.ops.positional.t5 import relative_positions, t5_relative_bias, t5_relative_position_bucket
 from tfx.ops.positional.transformer_xl import (
     transformer_xl_position_embeddings,
+    transformer_xl_position_scores,
     transformer_xl_scores,
 )
 
@@ -40,5 +41,6 @@ __all__ = [
     "t5_relative_bias",
     "t5_relative_position_bucket",
     "transformer_xl_position_embeddings",
+    "transformer_xl_position_scores",
     "transformer_xl_scores",
 ]

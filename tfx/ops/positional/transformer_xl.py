@@ -10,7 +10,11 @@ import jax.numpy as jnp
 from tfx.ops import _checks as checks
 from tfx.ops.positional.absolute import sinusoidal
 
-__all__ = ["transformer_xl_position_embeddings", "transformer_xl_scores"]
+__all__ = [
+    "transformer_xl_position_embeddings",
+    "transformer_xl_position_scores",
+    "transformer_xl_scores",
+]
 
 
 @functools.partial(jax.jit, static_argnames=("kv_len", "dim"))
@@ -100,7 +104,41 @@ def transformer_xl_scores(
     """
     _check_scores_inputs(query, key, position_keys, u, v)
     content = jnp.einsum("bthd,bshd->bhts", query + u, key, preferred_element_type=jnp.float32)
+    return content + transformer_xl_position_scores(query, position_keys, v)
+
+
+@jax.jit
+def transformer_xl_position_scores(
+    query: jax.Array, position_keys: jax.Array, v: jax.Array
+) -> jax.Array:
+    """The position term (q + v)·W_R R_{i-j} of `transformer_xl_scores` alone.
+
+    Models add it to the scores as a bias and put the content bias u into the queries, so the
+    content term goes through the ordinary attention kernel. Same conventions as
+    `transformer_xl_scores` (queries are the last q_len of kv_len positions; entries for future
+    keys are unspecified and must be masked).
+
+    Args:
+      query: float `[batch, q_len, heads, head_dim]`.
+      position_keys: float `[kv_len, heads, head_dim]`, kv_len >= q_len, row r = distance
+        kv_len-1-r.
+      v: float `[heads, head_dim]`.
+    Returns:
+      float32 `[batch, heads, q_len, kv_len]`, unscaled.
+    """
+    checks.floating("query", query, ndim=4, layout="[batch, q_len, heads, head_dim]")
+    checks.floating("position_keys", position_keys, ndim=3, layout="[kv_len, heads, head_dim]")
+    checks.floating("v", v, ndim=2, layout="[heads, head_dim]")
+    _, q_len, heads, head_dim = query.shape
+    if position_keys.shape[1:] != (heads, head_dim) or position_keys.shape[0] < q_len:
+        raise ValueError(
+            f"position_keys of shape {tuple(position_keys.shape)} must be [kv_len >= {q_len}, "
+            f"{heads}, {head_dim}]"
+        )
+    if v.shape != (heads, head_dim):
+        raise ValueError(f"v of shape {tuple(v.shape)} must be [heads, head_dim] = "
+                         f"{(heads, head_dim)}")
     by_distance = jnp.einsum(
         "bthd,shd->bhts", query + v, position_keys, preferred_element_type=jnp.float32
     )
-    return content + _rel_shift(by_distance)
+    return _rel_shift(by_distance)

@@ -1,0 +1,117 @@
+"""Checkpoint folders that are wrong in every way a user can make them wrong, and saves that
+fail without losing the checkpoint already there."""
+
+import json
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from tfx import hf
+from tfx.hf import io
+from tfx.models import create
+
+
+def _model():
+    return create("char-gpt", rngs=nnx.Rngs(0), num_layers=1, d_model=16, num_heads=2,
+                  num_kv_heads=1, d_ff=32)
+
+
+def test_not_a_folder(tmp_path):
+    with pytest.raises(ValueError, match="is not a folder"):
+        hf.load(tmp_path / "nothing-here")
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(ValueError, match=r"config.json is missing"):
+        hf.load(tmp_path)
+
+
+def test_corrupt_config(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON"):
+        hf.load(tmp_path)
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"architectures \['FalconForCausalLM'\] not supported"):
+        hf.load(tmp_path)
+
+
+def test_pickle_weights_are_refused(tmp_path):
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    with pytest.raises(ValueError, match="holds only pickle weights.*safetensors"):
+        io.read_tensors(tmp_path)
+
+
+def test_no_weights(tmp_path):
+    with pytest.raises(ValueError, match="has no \\*.safetensors weights"):
+        io.read_tensors(tmp_path)
+
+
+def test_corrupt_safetensors(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors"):
+        io.read_tensors(tmp_path)
+
+
+def test_sharded_index_naming_a_missing_shard(tmp_path):
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="model-00001-of-00002.safetensors is listed"):
+        io.read_tensors(tmp_path)
+
+
+def test_sharded_checkpoint_is_read_whole(tmp_path):
+    from safetensors.numpy import save_file
+
+    save_file({"a": np.ones(3, np.float32)}, str(tmp_path / "part-1.safetensors"))
+    save_file({"b": np.zeros(2, np.float32)}, str(tmp_path / "part-2.safetensors"))
+    index = {"weight_map": {"a": "part-1.safetensors", "b": "part-2.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    tensors = io.read_tensors(tmp_path)
+    assert sorted(tensors) == ["a", "b"] and tensors["a"].shape == (3,)
+
+
+def test_assign_params_names_what_is_wrong():
+    model = _model()
+    params = io.flat_params(model)
+    path = ("embeddings", "tokens", "table")
+    with pytest.raises(ValueError, match="missing \\['embeddings/tokens/table'\\]"):
+        io.assign_params(model, {k: v for k, v in params.items() if k != path}, source="ckpt")
+    with pytest.raises(ValueError, match="unexpected \\['bogus'\\]"):
+        io.assign_params(model, {**params, ("bogus",): np.zeros(1)}, source="ckpt")
+    bad = {**params, path: np.zeros((3, 3), np.float32)}
+    with pytest.raises(ValueError, match=r"ckpt: tensor for embeddings/tokens/table has shape"):
+        io.assign_params(model, bad, source="ckpt")
+
+
+def test_assign_params_round_trip():
+    model, other = _model(), create("char-gpt", rngs=nnx.Rngs(1), num_layers=1, d_model=16,
+                                    num_heads=2, num_kv_heads=1, d_ff=32)
+    io.assign_params(other, io.flat_params(model), source="test")
+    for path, value in io.flat_params(model).items():
+        np.testing.assert_array_equal(io.flat_params(other)[path], value)
+
+
+def test_failed_save_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    folder = tmp_path / "ckpt"
+    io.write_folder(folder, {"architectures": ["X"]}, {"w": np.ones(2, np.float32)})
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+
+    def broken_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    import safetensors.numpy
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        io.write_folder(folder, {"architectures": ["Y"]}, {"w": np.zeros(2, np.float32)})
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging left behind
+
+
+def test_save_rejects_unknown_architecture(tmp_path):
+    with pytest.raises(ValueError, match="architecture must be one of"):
+        hf.save(_model(), tmp_path / "out", architecture="GPTJForCausalLM")
