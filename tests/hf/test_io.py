@@ -41,25 +41,25 @@ def test_unsupported_architecture(tmp_path):
 
 def test_pickle_weights_are_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
-    with pytest.raises(ValueError, match="holds only pickle weights.*safetensors"):
+    with pytest.raises(ValueError, match=r"holds only pickle weights.*safetensors"):
         io.read_tensors(tmp_path)
 
 
 def test_no_weights(tmp_path):
-    with pytest.raises(ValueError, match="has no \\*.safetensors weights"):
+    with pytest.raises(ValueError, match=r"has no \*\.safetensors weights"):
         io.read_tensors(tmp_path)
 
 
 def test_corrupt_safetensors(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"garbage")
-    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors"):
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors"):
         io.read_tensors(tmp_path)
 
 
 def test_sharded_index_naming_a_missing_shard(tmp_path):
     index = {"weight_map": {"a": "model-00001-of-00002.safetensors"}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(ValueError, match="model-00001-of-00002.safetensors is listed"):
+    with pytest.raises(ValueError, match=r"model-00001-of-00002\.safetensors is listed"):
         io.read_tensors(tmp_path)
 
 

@@ -48,7 +48,9 @@ def load(path: str | pathlib.Path, *, dtype: str | None = None) -> nnx.Module:
         config = config.replace(dtype=dtype)
     model = create(config)
     tensors = io.read_tensors(folder)
-    io.assign_params(model, family.params_from_hf(tensors, config), source=str(folder))
+    # Heads a checkpoint may lack (a family's OPTIONAL_PARAMS) keep their initial values.
+    io.assign_params(model, family.params_from_hf(tensors, config), source=str(folder),
+                     optional=family.OPTIONAL_PARAMS)
     model.eval()
     return model
 

@@ -1,0 +1,170 @@
+"""GPT2LMHeadModel checkpoints: tfx.hf.load / save against transformers (eager attention,
+float32).
+
+Tiny random models cover the stock GPT-2 (gelu_new, head tied to wte, n_inner unset) and a
+variant with an untied head, a ReLU MLP and an explicit n_inner. Inputs are a right-padded
+batch; logits are compared at the real positions.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import tfx.hf  # noqa: E402
+from tfx.hf import gpt2, io  # noqa: E402
+from tfx.models import create  # noqa: E402
+
+ARCH = "GPT2LMHeadModel"
+SEQ = 12
+BASE = dict(vocab_size=99, n_embd=32, n_layer=2, n_head=4, n_positions=16,
+            layer_norm_epsilon=1e-5, bos_token_id=0, eos_token_id=0)
+CASES = {
+    "tied-gelu_new": dict(),
+    "untied-relu": dict(tie_word_embeddings=False, activation_function="relu", n_inner=48),
+    "gelu": dict(activation_function="gelu"),
+}
+
+
+def _hf_model(case: str):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(**BASE, **CASES[case], attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():  # norms are ones and biases zeros at init: perturb
+            param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    input_ids = rng.integers(0, 99, size=(2, SEQ))
+    attention_mask = np.ones((2, SEQ), np.int64)
+    attention_mask[1, 8:] = 0  # right padding
+    return input_ids, attention_mask
+
+
+def _torch_logits(model, input_ids, attention_mask) -> np.ndarray:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(input_ids),
+                     attention_mask=torch.tensor(attention_mask)).logits.numpy()
+
+
+def _tfx_logits(model, input_ids, attention_mask) -> np.ndarray:
+    return np.asarray(model(jnp.asarray(input_ids), attention_mask=jnp.asarray(attention_mask)))
+
+
+def _assert_close_where_real(ours, theirs, attention_mask):
+    real = attention_mask.astype(bool)  # HF's logits at padded queries are not meaningful
+    np.testing.assert_allclose(ours[real], theirs[real], rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def loaded(request, tmp_path_factory):
+    """(case, torch model, tfx model) for one case, through a save_pretrained folder."""
+    hf_model = _hf_model(request.param)
+    folder = tmp_path_factory.mktemp(request.param)
+    hf_model.save_pretrained(folder, safe_serialization=True)
+    return request.param, hf_model, tfx.hf.load(folder)
+
+
+def test_logits_match_transformers(loaded):
+    _, hf_model, model = loaded
+    inputs = _inputs()
+    _assert_close_where_real(_tfx_logits(model, *inputs), _torch_logits(hf_model, *inputs),
+                             inputs[1])
+
+
+def test_config_mapping(loaded):
+    case, _, model = loaded
+    config = model.config
+    assert config.d_ff == (48 if case == "untied-relu" else 4 * 32)
+    assert config.tie_embeddings == (case != "untied-relu")
+    assert config.activation == {"tied-gelu_new": "gelu_tanh", "untied-relu": "relu",
+                                 "gelu": "gelu"}[case]
+    assert (config.max_len, config.norm_eps, config.dropout) == (16, 1e-5, 0.0)
+
+
+def test_save_round_trips_through_transformers(loaded, tmp_path):
+    _, _, model = loaded
+    tfx.hf.save(model, tmp_path / "out", architecture=ARCH)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager").eval()
+    assert type(reloaded).__name__ == ARCH
+    inputs = _inputs()
+    _assert_close_where_real(_tfx_logits(model, *inputs), _torch_logits(reloaded, *inputs),
+                             inputs[1])
+    assert tfx.hf.load(tmp_path / "out").config == model.config
+
+
+@pytest.mark.parametrize("loaded", ["tied-gelu_new"], indirect=True)
+def test_functional_split_merge_under_jit(loaded):
+    _, _, model = loaded
+    input_ids = jnp.asarray(_inputs()[0])
+    graphdef, state = nnx.split(model)
+    jitted = jax.jit(lambda s, ids: nnx.merge(graphdef, s)(ids))(state, input_ids)
+    np.testing.assert_allclose(jitted, model(input_ids), rtol=1e-5, atol=1e-6)
+
+
+def test_fields_left_out_take_gpt2_defaults():
+    config = gpt2.config_from_hf({"n_embd": 32, "n_layer": 1, "n_head": 4}, ARCH)
+    assert (config.vocab_size, config.max_len, config.d_ff) == (50257, 1024, 128)
+    assert config.activation == "gelu_tanh" and config.tie_embeddings
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(scale_attn_weights=False), "scale_attn_weights"),
+    (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
+    (dict(reorder_and_upcast_attn=True), "reorder_and_upcast_attn"),
+    (dict(add_cross_attention=True), "add_cross_attention"),
+    (dict(activation_function="swish"), "activation_function"),
+])
+def test_unsupported_hf_settings_raise(fields, match):
+    with pytest.raises(ValueError, match=match):
+        gpt2.config_from_hf(dict(BASE, **fields), ARCH)
+
+
+_TFX = gpt2.config_from_hf(BASE, ARCH)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(position="rope"), "position"),
+    (dict(norm="rms"), "norm"),
+    (dict(gated_mlp=True), "gated_mlp"),
+    (dict(use_bias=False), "use_bias"),
+    (dict(num_kv_heads=2), "num_kv_heads"),
+    (dict(head_dim=16), "head_dim"),
+    (dict(activation="silu"), "activation"),
+])
+def test_configs_gpt2_cannot_express_raise(changes, match):
+    with pytest.raises(ValueError, match=match):
+        gpt2.config_to_hf(_TFX.replace(**changes), ARCH)
+
+
+def test_default_head_layout_spelled_out_is_accepted():
+    explicit = _TFX.replace(num_kv_heads=4, head_dim=8)
+    assert gpt2.config_to_hf(explicit, ARCH) == gpt2.config_to_hf(_TFX, ARCH)
+
+
+def test_missing_tensor_is_named():
+    config = _TFX.replace(num_layers=1)
+    tensors = gpt2.params_to_hf(io.flat_params(create(config)), config)
+    del tensors["transformer.h.0.attn.c_attn.weight"]
+    with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn\.c_attn\.weight.*missing"):
+        gpt2.params_from_hf(tensors, config)
+
+
+def test_tensors_saved_without_the_transformer_prefix_load():
+    # OpenAI's GPT-2 on the hub was saved from GPT2Model: "h.0.ln_1.weight", "wte.weight", ...
+    config = _TFX.replace(num_layers=1)
+    params = io.flat_params(create(config))
+    tensors = {name.removeprefix("transformer."): value
+               for name, value in gpt2.params_to_hf(params, config).items()}
+    loaded = gpt2.params_from_hf(tensors, config)
+    assert loaded.keys() == params.keys()
+    for path, value in params.items():
+        np.testing.assert_array_equal(loaded[path], value)

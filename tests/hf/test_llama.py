@@ -1,0 +1,181 @@
+"""LlamaForCausalLM / MistralForCausalLM checkpoints: tfx.hf.load / save against transformers
+(eager attention, float32).
+
+Tiny random models cover GQA, MQA, biases, tied and untied heads, the RoPE scalings that HF
+configs name (linear, dynamic NTK past max_position_embeddings, YaRN, llama3), and Mistral's
+sliding window narrower than the sequence (with head_dim · heads != hidden_size). Inputs are a
+right-padded batch; logits are compared at the real positions.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import tfx.hf  # noqa: E402
+from tfx.hf import io, llama  # noqa: E402
+from tfx.models import DecoderConfig, create  # noqa: E402
+from tfx.ops.positional import DynamicNTKScaling, NTKScaling  # noqa: E402
+
+LLAMA, MISTRAL = "LlamaForCausalLM", "MistralForCausalLM"
+SEQ = 12
+BASE = dict(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            rms_norm_eps=1e-6)
+# A small rope_theta puts several frequency bands inside 12 tokens, so every scaling shows.
+CASES = {
+    "gqa-untied": (LLAMA, dict()),
+    "mqa-tied": (LLAMA, dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    "mha-bias": (LLAMA, dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True)),
+    "linear": (LLAMA, dict(rope_parameters=dict(rope_type="linear", rope_theta=100.0,
+                                                factor=2.0))),
+    "dynamic": (LLAMA, dict(max_position_embeddings=8, rope_parameters=dict(
+        rope_type="dynamic", rope_theta=100.0, factor=2.0))),
+    "yarn": (LLAMA, dict(rope_parameters=dict(rope_type="yarn", rope_theta=100.0, factor=4.0,
+                                              original_max_position_embeddings=64))),
+    "llama3": (LLAMA, dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=100.0, factor=8.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=32))),
+    "mistral-window": (MISTRAL, dict(sliding_window=4, head_dim=16)),  # heads · 16 != d_model
+}
+
+
+def _hf_model(case: str):
+    architecture, overrides = CASES[case]
+    config_class = {LLAMA: transformers.LlamaConfig, MISTRAL: transformers.MistralConfig}
+    torch.manual_seed(0)
+    config = config_class[architecture](**{**BASE, **overrides}, attn_implementation="eager")
+    model = getattr(transformers, architecture)(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():  # norms are ones and biases zeros at init: perturb
+            param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    input_ids = rng.integers(0, 99, size=(2, SEQ))
+    attention_mask = np.ones((2, SEQ), np.int64)
+    attention_mask[1, 8:] = 0  # right padding
+    return input_ids, attention_mask
+
+
+def _torch_logits(model, input_ids, attention_mask) -> np.ndarray:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(input_ids),
+                     attention_mask=torch.tensor(attention_mask)).logits.numpy()
+
+
+def _tfx_logits(model, input_ids, attention_mask) -> np.ndarray:
+    return np.asarray(model(jnp.asarray(input_ids), attention_mask=jnp.asarray(attention_mask)))
+
+
+def _assert_close_where_real(ours, theirs, attention_mask):
+    real = attention_mask.astype(bool)  # HF's logits at padded queries are not meaningful
+    np.testing.assert_allclose(ours[real], theirs[real], rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def loaded(request, tmp_path_factory):
+    """(case, torch model, tfx model) for one case, through a save_pretrained folder."""
+    hf_model = _hf_model(request.param)
+    folder = tmp_path_factory.mktemp(request.param)
+    hf_model.save_pretrained(folder, safe_serialization=True)
+    return request.param, hf_model, tfx.hf.load(folder)
+
+
+def test_logits_match_transformers(loaded):
+    _, hf_model, model = loaded
+    inputs = _inputs()
+    _assert_close_where_real(_tfx_logits(model, *inputs), _torch_logits(hf_model, *inputs),
+                             inputs[1])
+
+
+def test_config_mapping(loaded):
+    case, _, model = loaded
+    config = model.config
+    assert config.sliding_window == (4 if case == "mistral-window" else None)
+    assert config.tie_embeddings == (case == "mqa-tied")
+    assert config.kv_heads == {"mqa-tied": 1, "mha-bias": 4}.get(case, 2)
+    assert config.use_bias == (case == "mha-bias")
+    assert (config.rope_scaling is None) == (case not in ("linear", "dynamic", "yarn", "llama3"))
+
+
+def test_save_round_trips_through_transformers(loaded, tmp_path):
+    case, _, model = loaded
+    architecture = CASES[case][0]
+    tfx.hf.save(model, tmp_path / "out", architecture=architecture)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", attn_implementation="eager").eval()
+    assert type(reloaded).__name__ == architecture
+    inputs = _inputs()
+    _assert_close_where_real(_tfx_logits(model, *inputs), _torch_logits(reloaded, *inputs),
+                             inputs[1])
+    assert tfx.hf.load(tmp_path / "out").config == model.config
+
+
+@pytest.mark.parametrize("loaded", ["gqa-untied", "mistral-window"], indirect=True)
+def test_functional_split_merge_under_jit(loaded):
+    _, _, model = loaded
+    input_ids = jnp.asarray(_inputs()[0])
+    graphdef, state = nnx.split(model)
+    jitted = jax.jit(lambda s, ids: nnx.merge(graphdef, s)(ids))(state, input_ids)
+    np.testing.assert_allclose(jitted, model(input_ids), rtol=1e-5, atol=1e-6)
+
+
+def test_legacy_rope_fields_read_like_rope_parameters():
+    legacy = dict(BASE, rope_theta=500000.0, rope_scaling=dict(type="linear", factor=4.0))
+    current = dict(BASE, rope_parameters=dict(rope_type="linear", rope_theta=500000.0,
+                                              factor=4.0))
+    config = llama.config_from_hf(legacy, LLAMA)
+    assert config == llama.config_from_hf(current, LLAMA)
+    assert config.rope_theta == 500000.0 and config.rope_scaling.factor == 4.0
+
+
+def test_sliding_window_is_mistral_only():
+    assert llama.config_from_hf(dict(BASE, sliding_window=None), MISTRAL).sliding_window is None
+    # transformers' Llama has no window: a stray field changes nothing there, nor here.
+    assert llama.config_from_hf(dict(BASE, sliding_window=4), LLAMA).sliding_window is None
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(attention_bias=True, mlp_bias=False), "mlp_bias"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4)), "rope_type"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    (dict(rope_parameters=dict(rope_type="linear", factor=-2.0)), "factor"),
+])
+def test_unsupported_hf_settings_raise(fields, match):
+    with pytest.raises(ValueError, match=match):
+        llama.config_from_hf(dict(BASE, **fields), LLAMA)
+
+
+_TFX = DecoderConfig(vocab_size=99, d_model=32, num_layers=1, num_heads=4, d_ff=48,
+                     position="rope", norm="rms", gated_mlp=True, activation="silu",
+                     use_bias=False)
+
+
+@pytest.mark.parametrize("architecture, changes, match", [
+    (LLAMA, dict(norm="layer"), "norm"),
+    (LLAMA, dict(position="learned"), "position"),
+    (LLAMA, dict(rope_layout="interleaved"), "rope_layout"),
+    (LLAMA, dict(sliding_window=4), "sliding_window"),
+    (LLAMA, dict(rope_scaling=NTKScaling(2.0)), "rope_scaling"),
+    (LLAMA, dict(rope_scaling=DynamicNTKScaling(2.0, 16), max_len=32), "max_len"),
+    (MISTRAL, dict(use_bias=True), "use_bias"),
+])
+def test_configs_transformers_cannot_express_raise(architecture, changes, match):
+    with pytest.raises(ValueError, match=match):
+        llama.config_to_hf(_TFX.replace(**changes), architecture)
+
+
+def test_missing_tensor_is_named():
+    config = llama.config_from_hf(dict(BASE, num_hidden_layers=1), LLAMA)
+    tensors = llama.params_to_hf(io.flat_params(create(config)), config)
+    del tensors["model.layers.0.mlp.down_proj.weight"]
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*missing"):
+        llama.params_from_hf(tensors, config)

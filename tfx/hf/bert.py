@@ -1,0 +1,199 @@
+"""BERT checkpoints (BertModel, BertForMaskedLM) <-> `tfx.models.Encoder`.
+
+The tfx Encoder always carries BERT's two heads: the [CLS] pooler (`model.pooled(hidden)`, HF's
+`pooler_output`) and the masked-LM head (`model.mlm_logits(hidden)`, HF BertForMaskedLM's
+logits). Its call is BertModel's: `model(input_ids, attention_mask=, token_type_ids=)` -> float32
+last hidden state [batch, seq, hidden]. Both architectures load into the same Encoder:
+
+- BertModel: weights named `embeddings.*`, `encoder.*`, `pooler.*`.
+- BertForMaskedLM: the same under `bert.` (no pooler), plus the head `cls.predictions.*`; the
+  decoder weight and bias are tied to the word embeddings and `cls.predictions.bias`.
+
+Heads a checkpoint lacks: the encoder (embeddings and layers) must be complete, but each head
+(pooler; MLM head) is loaded only when the checkpoint has tensors for it, and must then be
+complete. A head with no tensors at all keeps the model's initial (random, seed 0) values, as
+transformers does for missing heads: they never affect the hidden states, but `pooled` or
+`mlm_logits` then mean nothing until trained. `OPTIONAL_PARAMS` tells `tfx.hf.load` which
+parameters may be absent. Tensors that nothing reads raise an error (e.g. BertForPreTraining's
+next-sentence head, which the Encoder has no place for), except the position/token-type buffers
+older transformers saved and the tied decoder copies (checked to really be tied).
+
+Saving: `params_to_hf` is not told the architecture, so it writes every parameter of the Encoder
+under BertModel's names plus `cls.predictions.*`; transformers' BertModel loads the encoder and
+pooler from it (reporting cls.* as unused) and BertForMaskedLM the encoder and MLM head
+(reporting the pooler as unused).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tfx.models.config import EncoderConfig
+
+__all__ = ["ARCHITECTURES", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
+           "params_from_hf", "params_to_hf"]
+
+ARCHITECTURES = ("BertModel", "BertForMaskedLM")
+# Heads that a checkpoint may lack (path prefixes in the Encoder); see the module docstring.
+OPTIONAL_PARAMS = (("pooler",), ("mlm_transform",), ("mlm_norm",), ("mlm_bias",))
+
+Path = tuple[str | int, ...]
+
+_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                "relu": "relu", "silu": "silu", "swish": "silu"}
+_ACTIVATIONS_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu",
+                      "silu": "silu"}
+# Saved by older transformers as (non-persistent today) buffers: constants, not weights.
+_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
+# Tensor names of each kind of torch module, and whether the weight is transposed:
+# torch nn.Linear stores [out, in], nnx.Linear [in, out].
+_KINDS = {
+    "linear": (("weight", "kernel", True), ("bias", "bias", False)),
+    "norm": (("weight", "scale", False), ("bias", "bias", False)),
+    "embedding": (("weight", "table", False),),
+}
+
+
+def config_from_hf(hf: dict, architecture: str) -> EncoderConfig:
+    """Map a BertConfig (config.json as a dict) to an EncoderConfig: post-norm, learned
+    positions, biases, dropout off. Settings tfx cannot honour raise ValueError naming the field."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
+    position = hf.get("position_embedding_type", "absolute")
+    if position != "absolute":
+        raise ValueError(f"position_embedding_type={position!r} is not supported; tfx loads "
+                         "BERT with 'absolute' (learned) position embeddings only")
+    for field in ("is_decoder", "add_cross_attention"):
+        if hf.get(field, False):
+            raise ValueError(f"{field}=True is not supported: tfx loads BERT as a "
+                             "bidirectional encoder without cross-attention")
+    if architecture == "BertForMaskedLM" and not hf.get("tie_word_embeddings", True):
+        raise ValueError("tie_word_embeddings=False is not supported: the tfx masked-LM head "
+                         "reuses the word embeddings")
+    act = hf.get("hidden_act", "gelu")
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"hidden_act={act!r} is not supported; tfx maps {sorted(_ACTIVATIONS)}")
+    pad = hf.get("pad_token_id")
+    return EncoderConfig(
+        vocab_size=hf.get("vocab_size", 30522),
+        d_model=hf.get("hidden_size", 768),
+        num_layers=hf.get("num_hidden_layers", 12),
+        num_heads=hf.get("num_attention_heads", 12),
+        d_ff=hf.get("intermediate_size", 3072),
+        max_len=hf.get("max_position_embeddings", 512),
+        type_vocab_size=hf.get("type_vocab_size", 2),
+        norm_eps=hf.get("layer_norm_eps", 1e-12),
+        activation=_ACTIVATIONS[act],
+        pad_token_id=0 if pad is None else pad,
+        position="learned", norm="layer", pre_norm=False, use_bias=True, dropout=0.0,
+    )
+
+
+def config_to_hf(config: EncoderConfig, architecture: str) -> dict:
+    """The BertConfig dict (config.json) of an EncoderConfig that BERT can express."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
+    if not isinstance(config, EncoderConfig):
+        raise ValueError(f"{architecture} needs an EncoderConfig, got {type(config).__name__}")
+    c = config
+    unsupported = {
+        "position": (c.position, "learned"), "norm": (c.norm, "layer"),
+        "pre_norm": (c.pre_norm, False), "use_bias": (c.use_bias, True),
+        "gated_mlp": (c.gated_mlp, False), "num_kv_heads": (c.kv_heads, c.num_heads),
+        "head_dim": (c.head_dim or c.d_model // c.num_heads, c.d_model // c.num_heads),
+        "attention_scale": (c.attention_scale, None),
+    }
+    for field, (value, bert) in unsupported.items():
+        if value != bert:
+            raise ValueError(f"{field}={value!r} cannot be written as {architecture}: "
+                             f"BERT has {field}={bert!r}")
+    if c.activation not in _ACTIVATIONS_TO_HF:
+        raise ValueError(f"activation={c.activation!r} cannot be written as {architecture}; "
+                         f"BERT takes {sorted(_ACTIVATIONS_TO_HF)}")
+    return {
+        "architectures": [architecture], "model_type": "bert",
+        "vocab_size": c.vocab_size, "hidden_size": c.d_model, "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads, "intermediate_size": c.d_ff,
+        "hidden_act": _ACTIVATIONS_TO_HF[c.activation],
+        "max_position_embeddings": c.max_len, "type_vocab_size": c.type_vocab_size,
+        "layer_norm_eps": c.norm_eps, "pad_token_id": c.pad_token_id,
+        "position_embedding_type": "absolute", "tie_word_embeddings": True,
+        # tfx drops out residual branches and embeddings, never attention probabilities.
+        "hidden_dropout_prob": c.dropout, "attention_probs_dropout_prob": 0.0,
+        "initializer_range": 0.02,
+    }
+
+
+def params_from_hf(tensors: dict[str, np.ndarray], config: EncoderConfig) -> dict[Path, np.ndarray]:
+    """BERT tensors (with or without the `bert.` prefix) -> Encoder parameters by state path.
+    Heads without any tensor are left out (they keep their initial values, `OPTIONAL_PARAMS`)."""
+    prefix = "bert." if any(name.startswith("bert.") for name in tensors) else ""
+    tensors = {name.removeprefix(prefix): value for name, value in tensors.items()}
+    params: dict[Path, np.ndarray] = {}
+    for group, entries in _table(config).items():
+        if group != "encoder" and not any(name in tensors for name, _, _ in entries):
+            continue
+        for name, path, transpose in entries:
+            if name not in tensors:
+                why = ("the BERT encoder needs it" if group == "encoder" else
+                       f"the {group} head's other tensors are present; a head loads whole or "
+                       "not at all")
+                raise ValueError(f"checkpoint tensor {_full(prefix, name)} is missing ({why})")
+            params[path] = tensors[name].T if transpose else tensors[name]
+    used = {name for entries in _table(config).values() for name, _, _ in entries}
+    _check_tied(tensors, prefix)
+    unused = sorted(set(tensors) - used - set(_BUFFERS) - {"cls.predictions.decoder.weight",
+                                                           "cls.predictions.decoder.bias"})
+    if unused:
+        raise ValueError(f"checkpoint tensors {[_full(prefix, n) for n in unused][:5]} have no "
+                         "place in the tfx Encoder (BERT encoder, pooler and masked-LM head)")
+    return params
+
+
+def params_to_hf(params: dict[Path, np.ndarray], config: EncoderConfig) -> dict[str, np.ndarray]:
+    """Encoder parameters -> BertModel tensor names plus the `cls.predictions.*` head."""
+    return {name: params[path].T if transpose else params[path]
+            for entries in _table(config).values() for name, path, transpose in entries}
+
+
+def _table(config: EncoderConfig) -> dict[str, list[tuple[str, Path, bool]]]:
+    """(HF tensor name without `bert.`, tfx path, transposed) for each group of parameters:
+    "encoder" (required), "pooler" and "masked-LM" (optional heads)."""
+    modules = [("embeddings.word_embeddings", ("embeddings", "tokens"), "embedding"),
+               ("embeddings.position_embeddings", ("embeddings", "positions"), "embedding"),
+               ("embeddings.token_type_embeddings", ("embeddings", "token_types"), "embedding"),
+               ("embeddings.LayerNorm", ("embeddings", "norm"), "norm")]
+    for i in range(config.num_layers):
+        hf, ours = f"encoder.layer.{i}.", ("stack", "layers", i)
+        modules += [(hf + "attention.self.query", (*ours, "attention", "query"), "linear"),
+                    (hf + "attention.self.key", (*ours, "attention", "key"), "linear"),
+                    (hf + "attention.self.value", (*ours, "attention", "value"), "linear"),
+                    (hf + "attention.output.dense", (*ours, "attention", "out"), "linear"),
+                    (hf + "attention.output.LayerNorm", (*ours, "attention_norm"), "norm"),
+                    (hf + "intermediate.dense", (*ours, "mlp", "up"), "linear"),
+                    (hf + "output.dense", (*ours, "mlp", "down"), "linear"),
+                    (hf + "output.LayerNorm", (*ours, "mlp_norm"), "norm")]
+    mlm = [("cls.predictions.transform.dense", ("mlm_transform",), "linear"),
+           ("cls.predictions.transform.LayerNorm", ("mlm_norm",), "norm")]
+    return {"encoder": _expand(modules), "pooler": _expand([("pooler.dense", ("pooler",),
+                                                            "linear")]),
+            "masked-LM": [*_expand(mlm), ("cls.predictions.bias", ("mlm_bias",), False)]}
+
+
+def _expand(modules) -> list[tuple[str, Path, bool]]:
+    return [(f"{name}.{hf}", (*path, ours), transpose)
+            for name, path, kind in modules for hf, ours, transpose in _KINDS[kind]]
+
+
+def _check_tied(tensors: dict[str, np.ndarray], prefix: str) -> None:
+    """The masked-LM decoder, when saved, must equal what tfx ties it to."""
+    for copy, source in (("cls.predictions.decoder.weight", "embeddings.word_embeddings.weight"),
+                         ("cls.predictions.decoder.bias", "cls.predictions.bias")):
+        if copy in tensors and not (source in tensors
+                                    and np.array_equal(tensors[copy], tensors[source])):
+            raise ValueError(f"checkpoint tensor {copy} differs from {_full(prefix, source)}: "
+                             "tfx supports the tied masked-LM decoder only")
+
+
+def _full(prefix: str, name: str) -> str:
+    return name if name.startswith("cls.") else prefix + name

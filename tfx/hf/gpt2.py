@@ -1,0 +1,130 @@
+"""GPT-2 (`GPT2LMHeadModel`) checkpoints <-> tfx `Decoder`.
+
+GPT-2 is a pre-norm decoder with learned positions, LayerNorm, biases everywhere and a head tied
+to the token embedding. Its projections are `Conv1D` modules whose weights are already
+[in, out] (nnx.Linear's kernel layout, no transpose), and `attn.c_attn` packs the query, key and
+value projections side by side along the output dimension: [d_model, 3 * d_model].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tfx.hf import io
+from tfx.models.config import DecoderConfig
+
+__all__ = ["ARCHITECTURES", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
+           "params_from_hf", "params_to_hf"]
+
+ARCHITECTURES = ("GPT2LMHeadModel",)
+OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
+
+# HF activation_function -> tfx activation ("gelu_new" is the tanh approximation).
+_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+# What every GPT-2 is, in tfx terms (checked again on export).
+_FIXED = dict(position="learned", norm="layer", pre_norm=True, use_bias=True, gated_mlp=False,
+              num_kv_heads=None, head_dim=None, attention_scale=None, sliding_window=None)
+# GPT2Config's defaults, for config.json files that leave a field out (old hub checkpoints do).
+_DEFAULTS = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+                 n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+                 tie_word_embeddings=True, scale_attn_weights=True,
+                 scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
+                 add_cross_attention=False)
+# Settings that change GPT-2's numbers and that tfx does not implement: field -> the value tfx has.
+_UNSUPPORTED = dict(scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
+                    reorder_and_upcast_attn=False, add_cross_attention=False)
+_QKV = ("query", "key", "value")
+
+
+def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
+    """GPT2Config fields (config.json as a dict) -> DecoderConfig; dropout off (HF eval)."""
+    hf = {**_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+    for name, supported in _UNSUPPORTED.items():
+        if hf[name] != supported:
+            raise ValueError(f"{architecture}: {name}={hf[name]!r} is not supported by tfx "
+                             f"(only {supported!r})")
+    if hf["activation_function"] not in _ACTIVATIONS:
+        raise ValueError(f"{architecture}: activation_function={hf['activation_function']!r} "
+                         f"is not supported; tfx maps {sorted(_ACTIVATIONS)}")
+    d_model = hf["n_embd"]
+    return DecoderConfig(
+        vocab_size=hf["vocab_size"], d_model=d_model, num_layers=hf["n_layer"],
+        num_heads=hf["n_head"], d_ff=hf["n_inner"] or 4 * d_model, max_len=hf["n_positions"],
+        activation=_ACTIVATIONS[hf["activation_function"]], norm_eps=hf["layer_norm_epsilon"],
+        tie_embeddings=hf["tie_word_embeddings"], dropout=0.0, **_FIXED)
+
+
+def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
+    """DecoderConfig -> GPT2Config fields; ValueError for what GPT-2 cannot express."""
+    if not isinstance(config, DecoderConfig):
+        raise ValueError(f"{architecture} needs a DecoderConfig, got {type(config).__name__}")
+    # head_dim / num_kv_heads may be spelled out with their default values.
+    spelled = {"head_dim": config.d_model // config.num_heads, "num_kv_heads": config.num_heads}
+    for name, value in _FIXED.items():
+        if getattr(config, name) not in (value, spelled.get(name, value)):
+            raise ValueError(f"{architecture} cannot express {name}={getattr(config, name)!r} "
+                             f"(GPT-2 has {name}={value!r})")
+    activations = {tfx: hf for hf, tfx in _ACTIVATIONS.items()}
+    if config.activation not in activations:
+        raise ValueError(f"{architecture} cannot express activation={config.activation!r}; "
+                         f"it has {sorted(activations)}")
+    return {
+        "architectures": [architecture], "model_type": "gpt2",
+        "vocab_size": config.vocab_size, "n_positions": config.max_len, "n_embd": config.d_model,
+        "n_layer": config.num_layers, "n_head": config.num_heads, "n_inner": config.d_ff,
+        "activation_function": activations[config.activation],
+        "layer_norm_epsilon": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
+        "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
+        "attn_pdrop": config.dropout, "dtype": config.param_dtype, **_UNSUPPORTED,
+    }
+
+
+def params_from_hf(tensors: dict[str, np.ndarray], config: DecoderConfig) -> dict:
+    """GPT2LMHeadModel tensors -> tfx parameters by state path."""
+    if "transformer.wte.weight" not in tensors and "wte.weight" in tensors:
+        # OpenAI's hub checkpoints were saved from GPT2Model, without the "transformer."
+        # prefix; transformers loads them into GPT2LMHeadModel, and so does tfx.
+        tensors = {f"transformer.{name}": value for name, value in tensors.items()}
+    params = {path: io.tensor(tensors, name) for path, name in _names(config).items()}
+    for i in range(config.num_layers):
+        for kind, suffix in (("kernel", "weight"), ("bias", "bias")):
+            packed = io.tensor(tensors, f"transformer.h.{i}.attn.c_attn.{suffix}")
+            if packed.shape[-1] % 3:
+                raise ValueError(f"tensor 'transformer.h.{i}.attn.c_attn.{suffix}' has shape "
+                                 f"{packed.shape}: its last dim must pack q, k and v")
+            for name, part in zip(_QKV, np.split(packed, 3, axis=-1), strict=True):
+                params[("stack", "layers", i, "attention", name, kind)] = part
+    if not config.tie_embeddings:  # a tied checkpoint may hold lm_head.weight too: not needed
+        params[("head", "kernel")] = io.tensor(tensors, "lm_head.weight").T  # nn.Linear [out, in]
+    return params
+
+
+def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
+    """tfx parameters by state path -> GPT2LMHeadModel tensors (lm_head left out when tied, as
+    save_pretrained does)."""
+    tensors = {name: params[path] for path, name in _names(config).items()}
+    for i in range(config.num_layers):
+        for kind, suffix in (("kernel", "weight"), ("bias", "bias")):
+            parts = [params[("stack", "layers", i, "attention", name, kind)] for name in _QKV]
+            tensors[f"transformer.h.{i}.attn.c_attn.{suffix}"] = np.concatenate(parts, axis=-1)
+    if not config.tie_embeddings:
+        tensors["lm_head.weight"] = params[("head", "kernel")].T
+    return tensors
+
+
+def _names(config: DecoderConfig) -> dict[tuple, str]:
+    """tfx path -> HF name of every tensor that maps one to one (all but c_attn and lm_head)."""
+    names = {("embeddings", "tokens", "table"): "transformer.wte.weight",
+             ("embeddings", "positions", "table"): "transformer.wpe.weight"}
+    modules = {("stack", "final_norm"): "transformer.ln_f"}
+    for i in range(config.num_layers):
+        layer, hf = ("stack", "layers", i), f"transformer.h.{i}"
+        modules.update({(*layer, "attention_norm"): f"{hf}.ln_1",
+                        (*layer, "attention", "out"): f"{hf}.attn.c_proj",
+                        (*layer, "mlp_norm"): f"{hf}.ln_2",
+                        (*layer, "mlp", "up"): f"{hf}.mlp.c_fc",
+                        (*layer, "mlp", "down"): f"{hf}.mlp.c_proj"})
+    for path, hf in modules.items():
+        weight = "scale" if "norm" in path[-1] else "kernel"
+        names.update({(*path, weight): f"{hf}.weight", (*path, "bias"): f"{hf}.bias"})
+    return names

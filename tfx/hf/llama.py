@@ -1,0 +1,212 @@
+"""LLaMA (`LlamaForCausalLM`) and Mistral (`MistralForCausalLM`) checkpoints <-> tfx `Decoder`.
+
+Both are pre-norm decoders with RMSNorm, a SwiGLU MLP, grouped-query attention and rotary
+positions; Mistral adds a sliding attention window. HF stores q/k in the "half" rotary layout
+(`rotate_half`), tfx's `rope_layout="half"`, so the weights need no permutation; torch
+`nn.Linear` weights are [out, in] and are transposed into nnx kernels [in, out].
+
+RoPE settings: transformers 5 writes `rope_parameters` (`rope_theta`, `rope_type` and the type's
+fields); older configs have a top-level `rope_theta` and a `rope_scaling` dict (`type` or
+`rope_type`). Both are read; they map onto the `tfx.ops.positional` scaling objects, whose field
+names are HF's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from tfx.hf import io
+from tfx.models.config import DecoderConfig
+from tfx.ops.positional import DynamicNTKScaling, LinearScaling, Llama3Scaling, YaRNScaling
+
+__all__ = ["ARCHITECTURES", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
+           "params_from_hf", "params_to_hf"]
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
+
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
+# What every LLaMA / Mistral is, in tfx terms (checked again on export).
+_FIXED = dict(position="rope", rope_layout="half", rope_fraction=1.0, norm="rms", pre_norm=True,
+              gated_mlp=True, activation="silu", attention_scale=None)
+# The config classes' defaults, for config.json files that leave a field out.
+_COMMON = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+               head_dim=None, hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False)
+_DEFAULTS = {
+    "LlamaForCausalLM": dict(_COMMON, intermediate_size=11008, num_key_value_heads=None,
+                             max_position_embeddings=2048, attention_bias=False, mlp_bias=False),
+    "MistralForCausalLM": dict(_COMMON, intermediate_size=14336, num_key_value_heads=8,
+                               max_position_embeddings=4096 * 32, sliding_window=4096),
+}
+# rope_type -> tfx scaling; the dataclass fields carry HF's names.
+_SCALINGS = {"linear": LinearScaling, "dynamic": DynamicNTKScaling, "yarn": YaRNScaling,
+             "llama3": Llama3Scaling}
+
+
+def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
+    """LlamaConfig / MistralConfig fields (config.json as a dict) -> DecoderConfig; dropout off."""
+    rope = _rope_parameters(hf)
+    hf = {**_DEFAULTS[architecture], **hf}
+    if hf["hidden_act"] != "silu":
+        raise ValueError(f"{architecture}: hidden_act={hf['hidden_act']!r} is not supported "
+                         "(tfx maps the gated 'silu' MLP)")
+    if architecture == "MistralForCausalLM":
+        use_bias, sliding_window = False, hf["sliding_window"]  # Mistral has no bias options
+    else:
+        if hf["attention_bias"] != hf["mlp_bias"]:
+            raise ValueError(f"{architecture}: attention_bias={hf['attention_bias']} and "
+                             f"mlp_bias={hf['mlp_bias']} differ; tfx has one use_bias for both")
+        use_bias, sliding_window = bool(hf["attention_bias"]), None  # Llama has no window
+    max_len = hf["max_position_embeddings"]
+    return DecoderConfig(
+        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf["num_key_value_heads"], head_dim=hf["head_dim"],
+        d_ff=hf["intermediate_size"], max_len=max_len, norm_eps=hf["rms_norm_eps"],
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_scaling=_scaling_from_hf(rope, hf, max_len, architecture), use_bias=use_bias,
+        tie_embeddings=hf["tie_word_embeddings"], sliding_window=sliding_window, dropout=0.0,
+        **_FIXED)
+
+
+def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
+    """DecoderConfig -> LlamaConfig / MistralConfig fields; ValueError for what they cannot
+    express."""
+    if not isinstance(config, DecoderConfig):
+        raise ValueError(f"{architecture} needs a DecoderConfig, got {type(config).__name__}")
+    for name, value in _FIXED.items():
+        if getattr(config, name) != value:
+            raise ValueError(f"{architecture} cannot express {name}={getattr(config, name)!r} "
+                             f"(it has {name}={value!r})")
+    hf = {
+        "architectures": [architecture], "model_type": _MODEL_TYPES[architecture],
+        "vocab_size": config.vocab_size, "hidden_size": config.d_model,
+        "intermediate_size": config.d_ff, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_dim or config.d_model // config.num_heads, "hidden_act": "silu",
+        "max_position_embeddings": config.max_len, "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings, "attention_dropout": config.dropout,
+        "rope_parameters": _scaling_to_hf(config, architecture), "dtype": config.param_dtype,
+    }
+    if architecture == "MistralForCausalLM":
+        if config.use_bias:
+            raise ValueError(f"{architecture} cannot express use_bias=True (it has no biases)")
+        hf["sliding_window"] = config.sliding_window
+    else:
+        if config.sliding_window is not None:
+            raise ValueError(f"{architecture} cannot express sliding_window="
+                             f"{config.sliding_window} (save as MistralForCausalLM)")
+        hf["attention_bias"] = hf["mlp_bias"] = config.use_bias
+    return hf
+
+
+def params_from_hf(tensors: dict[str, np.ndarray], config: DecoderConfig) -> dict:
+    """LlamaForCausalLM / MistralForCausalLM tensors -> tfx parameters by state path."""
+    return {path: _transposed(path, io.tensor(tensors, name))
+            for path, name in _names(config).items()}
+
+
+def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
+    """tfx parameters by state path -> HF tensors (lm_head left out when tied, as
+    save_pretrained does)."""
+    return {name: _transposed(path, params[path]) for path, name in _names(config).items()}
+
+
+def _transposed(path: tuple, value: np.ndarray) -> np.ndarray:
+    # nn.Linear weights are [out, in], nnx kernels [in, out]; the transpose is its own inverse.
+    return value.T if path[-1] == "kernel" else value
+
+
+def _names(config: DecoderConfig) -> dict[tuple, str]:
+    """tfx path -> HF tensor name, for every parameter of the model."""
+    names = {("embeddings", "tokens", "table"): "model.embed_tokens.weight",
+             ("stack", "final_norm", "scale"): "model.norm.weight"}
+    if not config.tie_embeddings:  # a tied checkpoint may hold lm_head.weight too: not needed
+        names[("head", "kernel")] = "lm_head.weight"
+    projections = {("attention", "query"): "self_attn.q_proj",
+                   ("attention", "key"): "self_attn.k_proj",
+                   ("attention", "value"): "self_attn.v_proj",
+                   ("attention", "out"): "self_attn.o_proj",
+                   ("mlp", "gate"): "mlp.gate_proj",
+                   ("mlp", "up"): "mlp.up_proj",
+                   ("mlp", "down"): "mlp.down_proj"}
+    for i in range(config.num_layers):
+        layer, hf = ("stack", "layers", i), f"model.layers.{i}"
+        names[(*layer, "attention_norm", "scale")] = f"{hf}.input_layernorm.weight"
+        names[(*layer, "mlp_norm", "scale")] = f"{hf}.post_attention_layernorm.weight"
+        for path, module in projections.items():
+            names[(*layer, *path, "kernel")] = f"{hf}.{module}.weight"
+            if config.use_bias:
+                names[(*layer, *path, "bias")] = f"{hf}.{module}.bias"
+    return names
+
+
+def _rope_parameters(hf: dict) -> dict:
+    """One flat dict of RoPE settings from either config format, with HF's precedence: a legacy
+    rope_scaling over rope_parameters, their fields over the top-level rope_theta /
+    partial_rotary_factor."""
+    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    for name in ("rope_theta", "partial_rotary_factor"):
+        if hf.get(name) is not None:
+            rope.setdefault(name, hf[name])
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    return rope
+
+
+def _scaling_from_hf(rope: dict, hf: dict, max_len: int, architecture: str):
+    """HF rope settings -> None or a tfx scaling object."""
+    fraction = rope.get("partial_rotary_factor", 1.0)
+    if fraction != 1.0:
+        # transformers' Llama/Mistral rotate the whole head whatever this says (default rope)
+        # or fail (scaled rope), so no value but 1.0 has a meaning to load.
+        raise ValueError(f"{architecture}: partial_rotary_factor={fraction} is not supported "
+                         "(transformers' Llama and Mistral rotate the whole head)")
+    kind = rope["rope_type"]
+    if kind == "default":
+        return None
+    if kind not in _SCALINGS:
+        raise ValueError(f"{architecture}: rope_type={kind!r} is not supported; tfx maps "
+                         f"{['default', *_SCALINGS]}")
+    cls = _SCALINGS[kind]
+    # HF reads the betas with `or` and the mscales by truthiness: 0 means "not given".
+    falsy_unset = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+    fields = {f.name: rope.get(f.name) for f in dataclasses.fields(cls)}
+    fields = {k: v for k, v in fields.items() if v is not None and (v or k not in falsy_unset)}
+    if kind == "dynamic":
+        # HF's dynamic NTK grows the base past max_position_embeddings, not a rope field.
+        fields["original_max_position_embeddings"] = max_len
+    elif kind in ("yarn", "llama3"):
+        # HF: a top-level original_max_position_embeddings wins, then the rope field, then
+        # max_position_embeddings.
+        original = hf.get("original_max_position_embeddings") or fields.get(
+            "original_max_position_embeddings", max_len)
+        fields["original_max_position_embeddings"] = original
+        if kind == "yarn":
+            fields.setdefault("factor", max_len / original)
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{architecture}: rope_parameters {rope} are not valid: {error}") from None
+
+
+def _scaling_to_hf(config: DecoderConfig, architecture: str) -> dict:
+    """tfx rope_theta + rope_scaling -> HF rope_parameters."""
+    scaling = config.rope_scaling
+    rope = {"rope_theta": config.rope_theta, "rope_type": "default"}
+    if scaling is None:
+        return rope
+    kinds = {cls: kind for kind, cls in _SCALINGS.items()}
+    if type(scaling) not in kinds:
+        raise ValueError(f"{architecture} cannot express rope_scaling={scaling!r}; it has "
+                         f"{[cls.__name__ for cls in kinds]}")
+    fields = {k: v for k, v in dataclasses.asdict(scaling).items() if v is not None}
+    if isinstance(scaling, DynamicNTKScaling):
+        original = fields.pop("original_max_position_embeddings")
+        if original != config.max_len:
+            raise ValueError(
+                f"{architecture} cannot express DynamicNTKScaling with "
+                f"original_max_position_embeddings={original} != max_len={config.max_len} "
+                "(HF's dynamic rope grows past max_position_embeddings)")
+    return {**rope, "rope_type": kinds[type(scaling)], **fields}

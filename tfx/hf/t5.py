@@ -1,0 +1,189 @@
+"""T5 checkpoints (T5ForConditionalGeneration: T5 1.0, T5 v1.1, Flan-T5) <-> tfx EncoderDecoder.
+
+T5 is a pre-norm encoder–decoder with RMS norms ("T5LayerNorm"), no biases, unscaled attention
+scores and a learned relative position bias whose table lives only in block 0 of each stack
+(bidirectional buckets in the encoder, causal ones in the decoder) and is reused by every layer;
+tfx's `Stack` owns that table (`relative_bias`). Cross-attention has no position bias.
+
+The output head: T5 1.0 ties it to the shared embeddings and scales the decoder output by
+d_model**-0.5; v1.1 / Flan have a separate `lm_head` and no scaling. transformers 5 always ties
+the two in its config (`tie_word_embeddings` is forced to True) and records the scaling as
+`scale_decoder_outputs`, keeping a separate `lm_head.weight` in the file when it differs. In
+every T5 release tied ⇔ scaled, so tfx reads the head's kind from the scaling flag, and fills an
+untied head from `shared.weight` when the file omits `lm_head.weight` (transformers ties them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tfx.models.config import EncoderDecoderConfig
+
+__all__ = ["ARCHITECTURES", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
+           "params_from_hf", "params_to_hf"]
+
+ARCHITECTURES = ("T5ForConditionalGeneration",)
+OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
+
+# transformers' activation names (T5's `dense_act_fn`) -> tfx's. "gated-gelu" means gelu_new.
+_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh",
+                "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu"}
+_HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new", "silu": "silu"}
+
+# NNX lists the embedding table shared by both Embeddings modules under its first path in
+# attribute order; the head's path when untied.
+_SHARED = ("decoder_embeddings", "tokens", "table")
+_HEAD = ("head", "kernel")
+# Tensors transformers itself ignores when loading (an unused cross-attention bias table) or
+# ties to shared.weight.
+_IGNORED = ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",
+            "encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+
+Path = tuple[str | int, ...]
+
+
+def config_from_hf(hf: dict, architecture: str) -> EncoderDecoderConfig:
+    """A T5 config.json (as a dict) -> EncoderDecoderConfig (dropout 0: HF in eval mode)."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
+    if hf.get("tie_encoder_decoder"):
+        raise ValueError("tie_encoder_decoder=True (encoder and decoder sharing weights) is not "
+                         "supported by tfx")
+    activation, gated = _activation(hf)
+    # transformers 4 wrote only tie_word_embeddings; 5 writes scale_decoder_outputs too.
+    scaled = hf.get("scale_decoder_outputs")
+    if scaled is None:
+        scaled = hf.get("tie_word_embeddings") is not False
+    start = hf.get("decoder_start_token_id")
+    start = hf.get("pad_token_id", 0) if start is None else start  # T5 starts with the pad token
+    num_layers = hf.get("num_layers", 6)
+    return EncoderDecoderConfig(
+        vocab_size=hf.get("vocab_size", 32128), d_model=hf.get("d_model", 512),
+        num_layers=num_layers, num_decoder_layers=hf.get("num_decoder_layers") or num_layers,
+        num_heads=hf.get("num_heads", 8), head_dim=hf.get("d_kv", 64), d_ff=hf.get("d_ff", 2048),
+        position="t5", t5_num_buckets=hf.get("relative_attention_num_buckets", 32),
+        t5_max_distance=hf.get("relative_attention_max_distance", 128),
+        activation=activation, gated_mlp=gated, norm="rms",
+        norm_eps=hf.get("layer_norm_epsilon", 1e-6), pre_norm=True, use_bias=False,
+        attention_scale=1.0, dropout=0.0, tie_embeddings=bool(scaled),
+        scale_tied_head=bool(scaled), decoder_start_token_id=start or 0)
+
+
+def _activation(hf: dict) -> tuple[str, bool]:
+    """(tfx activation, gated) from feed_forward_proj ("relu", "gated-gelu", ...); the
+    `dense_act_fn` / `is_gated_act` that transformers saves beside it take precedence, as there."""
+    proj = hf.get("feed_forward_proj", "relu")
+    parts = proj.split("-")
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
+        raise ValueError(f"feed_forward_proj must be 'ACT' or 'gated-ACT', got {proj!r}")
+    name = hf.get("dense_act_fn") or ("gelu_new" if proj == "gated-gelu" else parts[-1])
+    gated = hf.get("is_gated_act", parts[0] == "gated")
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"feed_forward_proj {proj!r} (dense_act_fn {name!r}) is not supported; "
+                         f"tfx supports the activations {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name], bool(gated)
+
+
+def config_to_hf(config: EncoderDecoderConfig, architecture: str) -> dict:
+    """EncoderDecoderConfig -> T5 config.json dict; raises for what T5 cannot express."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
+    c = config
+    required = dict(position="t5", norm="rms", pre_norm=True, use_bias=False,
+                    attention_scale=1.0)
+    for name, value in required.items():
+        if getattr(c, name) != value:
+            raise ValueError(f"T5 needs {name}={value!r}, the config has {getattr(c, name)!r}")
+    if c.kv_heads != c.num_heads:
+        raise ValueError(f"T5 has no grouped-query attention: num_kv_heads ({c.kv_heads}) must "
+                         f"equal num_heads ({c.num_heads})")
+    if c.activation not in _HF_ACTIVATIONS:
+        raise ValueError(f"activation {c.activation!r} has no T5 feed_forward_proj")
+    act = _HF_ACTIVATIONS[c.activation]
+    # transformers reads "gated-gelu" as gelu_new (tanh), kept for old checkpoints' sake.
+    proj = ("gated-gelu" if act == "gelu_new" else f"gated-{act}") if c.gated_mlp else act
+    return {
+        "architectures": ["T5ForConditionalGeneration"], "model_type": "t5",
+        "vocab_size": c.vocab_size, "d_model": c.d_model,
+        "d_kv": c.head_dim or c.d_model // c.num_heads, "d_ff": c.d_ff, "num_layers": c.num_layers,
+        "num_decoder_layers": c.decoder_layers, "num_heads": c.num_heads,
+        "relative_attention_num_buckets": c.t5_num_buckets,
+        "relative_attention_max_distance": c.t5_max_distance, "dropout_rate": c.dropout,
+        "layer_norm_epsilon": c.norm_eps, "feed_forward_proj": proj, "dense_act_fn": act,
+        "is_gated_act": c.gated_mlp, "is_encoder_decoder": True,
+        "tie_word_embeddings": c.tie_embeddings,
+        "scale_decoder_outputs": c.tie_embeddings and c.scale_tied_head,
+        "decoder_start_token_id": c.decoder_start_token_id, "pad_token_id": 0, "eos_token_id": 1,
+    }
+
+
+def _names(config: EncoderDecoderConfig) -> list[tuple[Path, str, bool]]:
+    """(tfx path, HF tensor name, transposed) for every parameter except the embeddings and
+    the head. torch Linear weights are [out, in], nnx kernels [in, out]: transposed."""
+    mlp = (("gate", "wi_0"), ("up", "wi_1")) if config.gated_mlp else (("up", "wi"),)
+    mlp += (("down", "wo"),)
+    projections = (("query", "q"), ("key", "k"), ("value", "v"), ("out", "o"))
+    names = []
+    for stack, count in (("encoder", config.num_layers), ("decoder", config.decoder_layers)):
+        names += [((stack, "relative_bias", "table"),
+                   f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", False),
+                  ((stack, "final_norm", "scale"), f"{stack}.final_layer_norm.weight", False)]
+        # T5Block.layer: [self-attention, (cross-attention,) feed-forward], each with its norm.
+        attentions = [("attention", "attention_norm", "SelfAttention")]
+        if stack == "decoder":
+            attentions.append(("cross_attention", "cross_norm", "EncDecAttention"))
+        for i in range(count):
+            ours, theirs = (stack, "layers", i), f"{stack}.block.{i}.layer"
+            for j, (attention, norm, hf_attention) in enumerate(attentions):
+                names += [((*ours, attention, a, "kernel"),
+                           f"{theirs}.{j}.{hf_attention}.{b}.weight", True) for a, b in projections]
+                names.append(((*ours, norm, "scale"), f"{theirs}.{j}.layer_norm.weight", False))
+            ff = len(attentions)
+            names += [((*ours, "mlp", a, "kernel"), f"{theirs}.{ff}.DenseReluDense.{b}.weight",
+                       True) for a, b in mlp]
+            names.append(((*ours, "mlp_norm", "scale"), f"{theirs}.{ff}.layer_norm.weight", False))
+    return names
+
+
+def params_from_hf(tensors: dict[str, np.ndarray],
+                   config: EncoderDecoderConfig) -> dict[Path, np.ndarray]:
+    """HF tensors by name -> tfx parameters by state path. Every tensor must be used (or be one
+    transformers ignores too), so nothing that changes the numbers is dropped silently."""
+
+    def take(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"tensor {name!r} is missing from the T5 checkpoint")
+        return np.asarray(tensors[name])
+
+    params = {path: _oriented(take(name), transposed) for path, name, transposed in _names(config)}
+    shared = "shared.weight" if "shared.weight" in tensors else "encoder.embed_tokens.weight"
+    params[_SHARED] = take(shared)
+    used = {name for _, name, _ in _names(config)} | {shared}
+    if "lm_head.weight" in tensors:
+        used.add("lm_head.weight")
+        if config.tie_embeddings and not np.array_equal(tensors["lm_head.weight"],
+                                                        params[_SHARED]):
+            raise ValueError("tensor 'lm_head.weight' differs from the shared embeddings but the "
+                             "config ties them (scale_decoder_outputs / tie_word_embeddings)")
+    if not config.tie_embeddings:
+        params[_HEAD] = np.asarray(tensors.get("lm_head.weight", params[_SHARED])).T
+    extra = sorted(set(tensors) - used - set(_IGNORED))
+    if extra:
+        raise ValueError(f"T5 checkpoint has tensors tfx does not use: {extra[:5]}")
+    return params
+
+
+def params_to_hf(params: dict[Path, np.ndarray],
+                 config: EncoderDecoderConfig) -> dict[str, np.ndarray]:
+    """tfx parameters by state path -> HF tensors by name (the inverse of params_from_hf)."""
+    tensors = {name: _oriented(params[path], transposed)
+               for path, name, transposed in _names(config)}
+    tensors["shared.weight"] = np.asarray(params[_SHARED])
+    if not config.tie_embeddings:
+        tensors["lm_head.weight"] = np.asarray(params[_HEAD]).T
+    return tensors
+
+
+def _oriented(array, transposed: bool) -> np.ndarray:
+    array = np.asarray(array)
+    return array.T if transposed else array
