@@ -115,3 +115,23 @@ def test_failed_save_keeps_the_old_checkpoint(tmp_path, monkeypatch):
 def test_save_rejects_unknown_architecture(tmp_path):
     with pytest.raises(ValueError, match="architecture must be one of"):
         hf.save(_model(), tmp_path / "out", architecture="GPTJForCausalLM")
+
+
+def test_save_and_load_with_scanned_layers(tmp_path):
+    """A checkpoint written by tfx loads into per-layer and scanned models alike."""
+    import jax.numpy as jnp
+
+    from tfx.hf.io import flat_params
+
+    model = create("llama-tiny", rngs=nnx.Rngs(0), num_layers=2, d_model=32, num_heads=4,
+                   num_kv_heads=2, d_ff=64, vocab_size=50)
+    hf.save(model, tmp_path / "llama", architecture="LlamaForCausalLM")
+    listed = hf.load(tmp_path / "llama")
+    scanned = hf.load(tmp_path / "llama", scan_layers=True)
+    ids = jnp.arange(12)[None] % 50
+    np.testing.assert_allclose(scanned(ids), model(ids), atol=1e-5)
+    np.testing.assert_allclose(listed(ids), model(ids), atol=1e-5)
+    hf.save(scanned, tmp_path / "again", architecture="LlamaForCausalLM")
+    again = flat_params(hf.load(tmp_path / "again"))
+    for path, value in flat_params(model).items():
+        np.testing.assert_array_equal(again[path], value)

@@ -158,3 +158,26 @@ def test_bad_calls():
         model(jnp.ones((2, 3)))
     with pytest.raises(ValueError, match="exceeds the learned position table"):
         _small("gpt2-small")(jnp.ones((1, 2048), jnp.int32))
+
+
+@pytest.mark.parametrize("name", ["char-gpt", "bert-base", "t5-small"])
+def test_scanned_layers_compute_what_the_layer_list_computes(name):
+    """scan_layers=True stacks the same weights [num_layers, ...] and runs them in nnx.scan."""
+    from tfx.hf.io import assign_params, flat_params, stack_layers
+
+    overrides = {**SMALL, "num_layers": 3, "dropout": 0.0}
+    if PRESETS[name].num_kv_heads:
+        overrides["num_kv_heads"] = 2
+    listed = create(name, rngs=nnx.Rngs(0), **overrides)
+    scanned = create(name, rngs=nnx.Rngs(1), scan_layers=True, **overrides)
+    assign_params(scanned, stack_layers(flat_params(listed)), source="test")
+    ids = jax.random.randint(jax.random.key(5), (2, 7), 0, 97)
+
+    def loss(model):
+        return jnp.mean(_call(model, ids) ** 2)
+
+    chex.assert_trees_all_close(_call(scanned, ids), _call(listed, ids), atol=1e-5)
+    grads = stack_layers({p: np.asarray(v) for p, v in
+                          nnx.to_flat_state(nnx.grad(loss)(listed))})
+    scanned_grads = {p: np.asarray(v) for p, v in nnx.to_flat_state(nnx.grad(loss)(scanned))}
+    chex.assert_trees_all_close(scanned_grads, grads, atol=1e-5)

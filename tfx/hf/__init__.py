@@ -30,12 +30,14 @@ def __getattr__(name):  # SUPPORTED is computed lazily to keep imports light
     raise AttributeError(name)
 
 
-def load(path: str | pathlib.Path, *, dtype: str | None = None) -> nnx.Module:
+def load(path: str | pathlib.Path, **overrides) -> nnx.Module:
     """Load a transformers save_pretrained folder.
 
     Args:
       path: folder with config.json and model.safetensors (or a sharded index).
-      dtype: compute dtype of the returned model (default float32); weights stay float32.
+      overrides: config fields that change how, not what, the model computes, e.g.
+        `dtype="bfloat16"` (compute dtype; weights stay float32), `implementation="blocked"`,
+        `remat=True`, `scan_layers=True`.
     Returns:
       an NNX module in eval mode (dropout off) whose call mirrors `config.architectures[0]`.
     """
@@ -44,13 +46,14 @@ def load(path: str | pathlib.Path, *, dtype: str | None = None) -> nnx.Module:
     architecture = _architecture(hf_config, folder)
     family = _families()[architecture]
     config = family.config_from_hf(hf_config, architecture)
-    if dtype is not None:
-        config = config.replace(dtype=dtype)
+    if overrides:
+        config = config.replace(**overrides)
     model = create(config)
-    tensors = io.read_tensors(folder)
+    params = family.params_from_hf(io.read_tensors(folder), config)
+    if config.scan_layers:
+        params = io.stack_layers(params)
     # Heads a checkpoint may lack (a family's OPTIONAL_PARAMS) keep their initial values.
-    io.assign_params(model, family.params_from_hf(tensors, config), source=str(folder),
-                     optional=family.OPTIONAL_PARAMS)
+    io.assign_params(model, params, source=str(folder), optional=family.OPTIONAL_PARAMS)
     model.eval()
     return model
 
@@ -66,7 +69,10 @@ def save(model: nnx.Module, path: str | pathlib.Path, *, architecture: str) -> N
         raise ValueError(f"architecture must be one of {sorted(families)}, got {architecture!r}")
     family = families[architecture]
     hf_config = family.config_to_hf(model.config, architecture)
-    tensors = family.params_to_hf(io.flat_params(model), model.config)
+    params = io.flat_params(model)
+    if model.config.scan_layers:
+        params = io.unstack_layers(params)
+    tensors = family.params_to_hf(params, model.config)
     io.write_folder(pathlib.Path(path), hf_config, tensors)
 
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["assign_params", "flat_params", "read_config", "read_tensors", "tensor",
-           "write_folder"]
+__all__ = ["assign_params", "flat_params", "read_config", "read_tensors", "stack_layers",
+           "tensor", "unstack_layers", "write_folder"]
 
 Path = tuple[str | int, ...]
 _PICKLES = ("pytorch_model.bin", "model.bin", "pytorch_model.bin.index.json", "model.pt",
@@ -120,6 +120,44 @@ def assign_params(model: nnx.Module, params: Mapping[Path, np.ndarray], *,
             raise ValueError(f"{source}: tensor for {_name(path)} has shape {value.shape}, "
                              f"the model expects {var[...].shape}")
         var[...] = jnp.asarray(value, var[...].dtype)
+
+
+def stack_layers(params: Mapping[Path, np.ndarray]) -> dict[Path, np.ndarray]:
+    """Per-layer paths (..., 'layers', i, ...) -> stacked paths (..., 'layers', ...) with a
+    leading [num_layers] axis, the layout of a model built with `scan_layers=True`."""
+    groups: dict[Path, dict[int, np.ndarray]] = {}
+    stacked: dict[Path, np.ndarray] = {}
+    for path, value in params.items():
+        at = _layer_index(path)
+        if at is None:
+            stacked[path] = value
+        else:
+            groups.setdefault(path[:at] + path[at + 1:], {})[path[at]] = value
+    for path, layers in groups.items():
+        stacked[path] = np.stack([layers[i] for i in range(len(layers))])
+    return stacked
+
+
+def unstack_layers(params: Mapping[Path, np.ndarray]) -> dict[Path, np.ndarray]:
+    """The inverse of `stack_layers`."""
+    out: dict[Path, np.ndarray] = {}
+    for path, value in params.items():
+        if "layers" not in path:
+            out[path] = value
+            continue
+        at = path.index("layers") + 1
+        for i, layer in enumerate(value):
+            out[(*path[:at], i, *path[at:])] = layer
+    return out
+
+
+def _layer_index(path: Path) -> int | None:
+    """Position of the layer number in a per-layer path, or None."""
+    if "layers" in path:
+        at = path.index("layers") + 1
+        if at < len(path) and isinstance(path[at], int):
+            return at
+    return None
 
 
 def write_folder(folder: pathlib.Path, config: dict, tensors: Mapping[str, np.ndarray]) -> None:

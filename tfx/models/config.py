@@ -55,6 +55,7 @@ class TransformerConfig:
     dtype: str | None = None  # compute dtype, e.g. "bfloat16"; None: float32
     param_dtype: str = "float32"
     remat: bool = False  # rematerialise each layer in the backward pass
+    scan_layers: bool = False  # stack layer weights [num_layers, ...] and run them in nnx.scan
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len",

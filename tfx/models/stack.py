@@ -56,6 +56,10 @@ class Stack(nnx.Module):
     """Layers, T5's shared relative bias (owned by the stack, computed once, reused by every
     layer), and the final norm of pre-norm models.
 
+    Layers are a list of Blocks (parameter paths `layers/<i>/...`), or with `scan_layers` one
+    Block with stacked weights (`layers/...`, leading axis num_layers) run under `nnx.scan`,
+    which compiles one layer instead of num_layers.
+
     Args:
       config: the model config; `num_layers` overrides its layer count (T5's decoder).
       causal: decoder self-attention (also picks T5's unidirectional buckets).
@@ -72,8 +76,18 @@ class Stack(nnx.Module):
             max_distance=c.t5_max_distance, param_dtype=kinds["param_dtype"], rngs=rngs)
             if c.position == "t5" else None)
         count = c.num_layers if num_layers is None else num_layers
-        self.layers = nnx.List([Block(c, cross_attention=cross_attention, rngs=rngs)
-                                for _ in range(count)])
+        self.scan_layers = c.scan_layers
+        if c.scan_layers:
+            # One Block whose weights carry a leading [num_layers] axis, compiled once.
+            @nnx.split_rngs(splits=count)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def stacked(rngs):
+                return Block(c, cross_attention=cross_attention, rngs=rngs)
+
+            self.layers = stacked(rngs)
+        else:
+            self.layers = nnx.List([Block(c, cross_attention=cross_attention, rngs=rngs)
+                                    for _ in range(count)])
         self.final_norm = (make_norm(c.norm, c.d_model, epsilon=c.norm_eps, rngs=rngs, **kinds)
                            if c.pre_norm else None)
         self.dropout = nnx.Dropout(c.dropout, rngs=rngs)
@@ -101,12 +115,15 @@ class Stack(nnx.Module):
                     sparsity=sparsity, positions=positions, query_segment_ids=segment_ids,
                     context=context, context_mask=context_mask)
 
-        def run(block, h):
+        def run(h, block):
             return block(h, **args)
 
         run = nnx.remat(run) if self.remat else run
-        for layer in self.layers:
-            x = run(layer, x)
+        if self.scan_layers:
+            x = nnx.scan(run, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.layers)
+        else:
+            for layer in self.layers:
+                x = run(x, layer)
         if self.final_norm is not None:
             x = self.dropout(self.final_norm(x))
         return x
