@@ -15,6 +15,14 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from causal_lm_parity import (  # noqa: E402
+    assert_close_where_real,
+    padded_inputs,
+    perturb,
+    tfx_logits,
+    torch_logits,
+)
+
 import tfx.hf  # noqa: E402
 from tfx.hf import gpt2, io  # noqa: E402
 from tfx.models import create  # noqa: E402
@@ -34,33 +42,7 @@ def _hf_model(case: str):
     torch.manual_seed(0)
     config = transformers.GPT2Config(**BASE, **CASES[case], attn_implementation="eager")
     model = transformers.GPT2LMHeadModel(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():  # norms are ones and biases zeros at init: perturb
-            param.add_(0.1 * torch.randn_like(param))
-    return model
-
-
-def _inputs():
-    rng = np.random.default_rng(0)
-    input_ids = rng.integers(0, 99, size=(2, SEQ))
-    attention_mask = np.ones((2, SEQ), np.int64)
-    attention_mask[1, 8:] = 0  # right padding
-    return input_ids, attention_mask
-
-
-def _torch_logits(model, input_ids, attention_mask) -> np.ndarray:
-    with torch.no_grad():
-        return model(input_ids=torch.tensor(input_ids),
-                     attention_mask=torch.tensor(attention_mask)).logits.numpy()
-
-
-def _tfx_logits(model, input_ids, attention_mask) -> np.ndarray:
-    return np.asarray(model(jnp.asarray(input_ids), attention_mask=jnp.asarray(attention_mask)))
-
-
-def _assert_close_where_real(ours, theirs, attention_mask):
-    real = attention_mask.astype(bool)  # HF's logits at padded queries are not meaningful
-    np.testing.assert_allclose(ours[real], theirs[real], rtol=1e-4, atol=1e-5)
+    return perturb(torch, model)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -74,8 +56,8 @@ def loaded(request, tmp_path_factory):
 
 def test_logits_match_transformers(loaded):
     _, hf_model, model = loaded
-    inputs = _inputs()
-    _assert_close_where_real(_tfx_logits(model, *inputs), _torch_logits(hf_model, *inputs),
+    inputs = padded_inputs(SEQ)
+    assert_close_where_real(tfx_logits(model, *inputs), torch_logits(torch, hf_model, *inputs),
                              inputs[1])
 
 
@@ -95,8 +77,8 @@ def test_save_round_trips_through_transformers(loaded, tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "out", attn_implementation="eager").eval()
     assert type(reloaded).__name__ == ARCH
-    inputs = _inputs()
-    _assert_close_where_real(_tfx_logits(model, *inputs), _torch_logits(reloaded, *inputs),
+    inputs = padded_inputs(SEQ)
+    assert_close_where_real(tfx_logits(model, *inputs), torch_logits(torch, reloaded, *inputs),
                              inputs[1])
     assert tfx.hf.load(tmp_path / "out").config == model.config
 
@@ -104,7 +86,7 @@ def test_save_round_trips_through_transformers(loaded, tmp_path):
 @pytest.mark.parametrize("loaded", ["tied-gelu_new"], indirect=True)
 def test_functional_split_merge_under_jit(loaded):
     _, _, model = loaded
-    input_ids = jnp.asarray(_inputs()[0])
+    input_ids = jnp.asarray(padded_inputs(SEQ)[0])
     graphdef, state = nnx.split(model)
     jitted = jax.jit(lambda s, ids: nnx.merge(graphdef, s)(ids))(state, input_ids)
     np.testing.assert_allclose(jitted, model(input_ids), rtol=1e-5, atol=1e-6)

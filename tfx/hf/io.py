@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["assign_params", "flat_params", "read_config", "read_tensors", "stack_layers",
-           "tensor", "unstack_layers", "write_folder"]
+__all__ = ["assign_params", "flat_params", "read_config", "read_json", "read_tensors",
+           "stack_layers", "tensor", "unstack_layers", "write_folder"]
 
 Path = tuple[str | int, ...]
 _PICKLES = ("pytorch_model.bin", "model.bin", "pytorch_model.bin.index.json", "model.pt",
@@ -30,16 +30,21 @@ def read_config(folder: pathlib.Path) -> dict:
     if not folder.is_dir():
         raise ValueError(f"checkpoint path {folder} is not a folder (expected what "
                          "transformers' save_pretrained writes: config.json + *.safetensors)")
-    path = folder / "config.json"
+    return read_json(folder / "config.json", dict, "a checkpoint folder needs its config.json")
+
+
+def read_json(path: pathlib.Path, kind: type, missing: str) -> dict | list:
+    """Parse a JSON file that must hold a `kind` (dict or list); `missing` says why it must
+    exist when it does not."""
     if not path.is_file():
-        raise ValueError(f"{path} is missing: a checkpoint folder needs its config.json")
+        raise ValueError(f"{path} is missing: {missing}")
     try:
-        config = json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not valid JSON: {error}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
-    return config
+    if not isinstance(value, kind):
+        raise ValueError(f"{path} must hold a JSON {kind.__name__}, got {type(value).__name__}")
+    return value
 
 
 def read_tensors(folder: pathlib.Path) -> dict[str, np.ndarray]:

@@ -20,7 +20,6 @@ under one `jax.jit`. Pooling modes "mean", "cls", "max" and "mean_sqrt_len_token
 from __future__ import annotations
 
 import functools
-import json
 import pathlib
 from collections.abc import Sequence
 
@@ -29,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tfx.hf.io import read_json
 from tfx.models import Encoder
 
 __all__ = ["POOLING_MODES", "SentenceEncoder", "normalize", "pool"]
@@ -44,6 +44,7 @@ _LEGACY_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "ma
 # Padding to a multiple of this bounds the number of compiled shapes; padded positions are
 # masked out of attention and pooling, so they do not change the embeddings.
 _PAD_MULTIPLE = 16
+_NOT_SENTENCE = "not a sentence-transformers folder?"
 
 
 def pool(hidden: jax.Array, attention_mask: jax.Array, modes: tuple[str, ...] = ("mean",)
@@ -137,7 +138,7 @@ class SentenceEncoder:
         if not folder.is_dir():
             raise ValueError(f"{folder} is not a folder (expected a sentence-transformers model "
                              "folder with modules.json)")
-        modules = _read_json(folder / "modules.json", list)
+        modules = read_json(folder / "modules.json", list, _NOT_SENTENCE)
         kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] if isinstance(m, dict) else "?"
                  for m in modules]
         if kinds not in (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"]):
@@ -147,8 +148,8 @@ class SentenceEncoder:
                                 folder / modules[1].get("path", ""))
         settings = {}
         if (transformer / "sentence_bert_config.json").is_file():
-            settings = _read_json(transformer / "sentence_bert_config.json", dict)
-        pooling_config = _read_json(pooling / "config.json", dict)
+            settings = read_json(transformer / "sentence_bert_config.json", dict, _NOT_SENTENCE)
+        pooling_config = read_json(pooling / "config.json", dict, _NOT_SENTENCE)
         modes = _pooling_modes(pooling_config, pooling)
         tokenizer_file = transformer / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -195,18 +196,6 @@ class SentenceEncoder:
                           modes=self.modes, normalized=self.normalized)
                    for i in range(0, len(texts), batch_size)]
         return jnp.concatenate(batches)
-
-
-def _read_json(path: pathlib.Path, kind: type):
-    if not path.is_file():
-        raise ValueError(f"{path} is missing (not a sentence-transformers folder?)")
-    try:
-        value = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from None
-    if not isinstance(value, kind):
-        raise ValueError(f"{path} must hold a JSON {kind.__name__}, got {type(value).__name__}")
-    return value
 
 
 def _pooling_modes(config: dict, folder: pathlib.Path) -> tuple[str, ...]:

@@ -1,0 +1,37 @@
+"""Helpers shared by the causal-LM parity tests (GPT-2, LLaMA / Mistral): a right-padded batch,
+logits from both sides, and the comparison at real positions."""
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def perturb(torch, model, scale: float = 0.1):
+    """Norms are ones and biases zeros at init: perturb every parameter so that they matter."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(scale * torch.randn_like(param))
+    return model
+
+
+def padded_inputs(seq: int, vocab_size: int = 99):
+    """input_ids [2, seq] and an attention_mask whose second row is right-padded after 8."""
+    rng = np.random.default_rng(0)
+    input_ids = rng.integers(0, vocab_size, size=(2, seq))
+    attention_mask = np.ones((2, seq), np.int64)
+    attention_mask[1, 8:] = 0
+    return input_ids, attention_mask
+
+
+def torch_logits(torch, model, input_ids, attention_mask) -> np.ndarray:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(input_ids),
+                     attention_mask=torch.tensor(attention_mask)).logits.numpy()
+
+
+def tfx_logits(model, input_ids, attention_mask) -> np.ndarray:
+    return np.asarray(model(jnp.asarray(input_ids), attention_mask=jnp.asarray(attention_mask)))
+
+
+def assert_close_where_real(ours, theirs, attention_mask):
+    real = attention_mask.astype(bool)  # HF's logits at padded queries are not meaningful
+    np.testing.assert_allclose(ours[real], theirs[real], rtol=1e-4, atol=1e-5)
