@@ -181,3 +181,12 @@ def test_scanned_layers_compute_what_the_layer_list_computes(name):
                           nnx.to_flat_state(nnx.grad(loss)(listed))})
     scanned_grads = {p: np.asarray(v) for p, v in nnx.to_flat_state(nnx.grad(loss)(scanned))}
     chex.assert_trees_all_close(scanned_grads, grads, atol=1e-5)
+
+
+def test_token_types_from_separators():
+    """[CLS] A A [SEP] B B [SEP] [PAD]: types 0 through the first [SEP], 1 after (BERT)."""
+    from tfx.models import token_types_from_separators
+
+    ids = jnp.array([[101, 7, 8, 102, 9, 10, 102, 0], [101, 7, 102, 0, 0, 0, 0, 0]])
+    types = token_types_from_separators(ids, 102)
+    np.testing.assert_array_equal(types, [[0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1, 1]])

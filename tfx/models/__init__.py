@@ -3,9 +3,9 @@ EncoderDecoder (T5 / original Transformer), with named presets."""
 
 from tfx.models.config import DecoderConfig, EncoderConfig, EncoderDecoderConfig, TransformerConfig
 from tfx.models.decoder import Decoder
-from tfx.models.encoder import Encoder
+from tfx.models.encoder import Encoder, token_types_from_separators
 from tfx.models.encoder_decoder import EncoderDecoder
 from tfx.models.presets import PRESETS, create
 
 __all__ = ["PRESETS", "Decoder", "DecoderConfig", "Encoder", "EncoderConfig", "EncoderDecoder",
-           "EncoderDecoderConfig", "TransformerConfig", "create"]
+           "EncoderDecoderConfig", "TransformerConfig", "create", "token_types_from_separators"]

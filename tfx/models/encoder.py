@@ -14,7 +14,23 @@ from tfx.nn.mlp import ACTIVATIONS
 from tfx.nn.norms import make_norm
 from tfx.ops.masks import padding_mask
 
-__all__ = ["Encoder"]
+__all__ = ["Encoder", "token_types_from_separators"]
+
+
+@jax.jit
+def token_types_from_separators(input_ids: jax.Array, sep_token_id: int) -> jax.Array:
+    """BERT's segment ids for [CLS] A [SEP] B [SEP]: 0 through the first [SEP], 1 after it.
+
+    Args:
+      input_ids: int [batch, seq].
+      sep_token_id: the [SEP] id (EncoderConfig.sep_token_id, 102 in BERT's vocabulary).
+    Returns:
+      int32 [batch, seq]. Padding after B gets 1 too; it is masked out anyway.
+    """
+    _check_ids(input_ids)
+    is_sep = (input_ids == sep_token_id).astype(jnp.int32)
+    seps_before = jnp.cumsum(is_sep, axis=1) - is_sep  # [SEP]s strictly before each token
+    return (seps_before >= 1).astype(jnp.int32)
 
 
 class Encoder(nnx.Module):
@@ -45,7 +61,8 @@ class Encoder(nnx.Module):
         Args:
           input_ids: int [batch, seq], e.g. [CLS] A [SEP] B [SEP] and padding.
           attention_mask: optional [batch, seq], 1/True for real tokens.
-          token_type_ids: optional int [batch, seq]: 0 through the first [SEP], 1 after.
+          token_type_ids: optional int [batch, seq]: 0 through the first [SEP], 1 after
+            (see `token_types_from_separators`); zeros when None, as in Hugging Face.
           position_ids: optional int [batch, seq] (default 0 .. seq - 1).
         Returns:
           float32 [batch, seq, d_model].
