@@ -103,8 +103,9 @@ def dense_table(args) -> list[dict]:
                     if args.torch:
                         peers["torch"] = functools.partial(_torch_runner, inputs, causal,
                                                            backward)
-                    # jax.nn holds [heads, N, N] float32 scores (and more for the backward).
-                    too_big = HEADS * n * n * 4 * (4 if backward else 2) > 16 * 2**30
+                    # jax.nn holds several [heads, N, N] float32 buffers (scores, probabilities,
+                    # their gradients): 16384 needs over 24 GiB even for the forward pass.
+                    too_big = HEADS * n * n * 4 * (4 if backward else 3) > 12 * 2**30
                     for name, make in peers.items():
                         if estimate[name] > args.peer_budget or (name == "jax.nn" and too_big):
                             row[f"{name}_ms"] = None
@@ -272,6 +273,7 @@ def main() -> None:
         if name not in args.skip:
             print(f"\n# {name}", flush=True)
             results[name] = measure(args)
+            write_json(args.json, results)  # keep what is measured if a later section fails
     report = render(results)
     print("\n" + report)
     write_json(args.json, results)
