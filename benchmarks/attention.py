@@ -27,7 +27,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from timing import markdown_table, median_seconds, peak_rss_mib, run_child, write_json
+from timing import markdown_table, median_seconds, peak_rss_growth_mib, run_child, write_json
 
 from tfx.ops import dot_product_attention, sparse
 
@@ -129,24 +129,20 @@ def _dense_line(row: dict) -> str:
 
 
 def memory_child(implementation: str, n: int) -> None:
-    """Child process: peak memory of one float32 causal forward+backward, printed as JSON.
+    """Child process: memory that one float32 causal forward+backward allocates beyond its
+    inputs, printed as JSON.
 
-    JAX: XLA's accounting of the compiled executable (arguments + outputs + scratch), since the
-    compiler's own peak would hide the run's in a resident-set measurement. torch: growth of the
-    peak resident set over the run.
+    JAX: XLA's accounting of the compiled step (outputs + scratch); a resident-set reading would
+    mostly show the compiler. torch: growth of the peak resident set over the step.
     """
     inputs = _inputs(n, "float32")
     if implementation == "torch":
-        run = _torch_runner(inputs, True, True)
-        baseline = peak_rss_mib()
-        run()
-        peak = peak_rss_mib() - baseline
+        peak = peak_rss_growth_mib(_torch_runner(inputs, True, True))
     else:
         attend = _tfx(True) if implementation == "tfx" else _jax_nn(True)
         step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v)), argnums=(0, 1, 2)))
         stats = step.lower(*inputs).compile().memory_analysis()
-        peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
-                + stats.temp_size_in_bytes) / 2**20
+        peak = (stats.output_size_in_bytes + stats.temp_size_in_bytes) / 2**20
     print(json.dumps({"peak_mib": round(peak, 1)}))
 
 
@@ -178,7 +174,7 @@ def sparse_table(args) -> list[dict]:
             row["full_ms"] = _forward_ms(args, inputs, implementation="blocked")
             # jax.nn with the mask holds [heads, N, N] float32 scores: stop before 8 GiB.
             row["jax.nn_mask_ms"] = None
-            if HEADS * n * n * 4 <= 8 * 2**30:
+            if HEADS * n * n * 4 < 8 * 2**30:
                 mask = jnp.asarray(dense_mask)[None, None]
                 row["jax.nn_mask_ms"] = 1e3 * median_seconds(_jax_runner(
                     lambda q, k, v, m=mask: jax.nn.dot_product_attention(q, k, v, mask=m),
@@ -197,7 +193,7 @@ def _forward_ms(args, inputs, **kwargs) -> float:
 
 def render(results: dict) -> str:
     """The markdown report of a results dict (as written by --json)."""
-    lines = [f"Command: `{results['command']}` at revision `{results['revision']}` "
+    lines = [f"Commands: `{results['command']}` at revisions `{results['revision']}` "
              f"({results['date']}); jax {results['jax']}, torch {results.get('torch', '-')}, "
              f"{results['cpus']} CPUs. Ratios are tfx / peer: below 1 means tfx is faster."]
     if "dense" in results:
@@ -210,8 +206,9 @@ def render(results: dict) -> str:
                                   for r in results["dense"]])]
     if "memory" in results:
         lines += ["", "## Peak memory of a causal forward+backward, float32 (MiB)", "",
-                  "JAX columns: XLA's accounting of the compiled step (arguments, outputs and "
-                  "scratch); torch: growth of the peak resident set.", "",
+                  "Memory allocated beyond the inputs. JAX columns: XLA's accounting of the "
+                  "compiled step (outputs and scratch); torch: growth of the peak resident set "
+                  "over the step.", "",
                   markdown_table(["N", "tfx", "jax.nn", "torch"],
                                  [[r["n"], r["tfx_mib"], r["jax.nn_mib"], r.get("torch_mib")]
                                   for r in results["memory"]])]
@@ -253,6 +250,8 @@ def main() -> None:
                         help="sections to skip: dense,memory,sparse")
     parser.add_argument("--json", help="write all results to this path")
     parser.add_argument("--markdown", help="write the report to this path")
+    parser.add_argument("--update", help="start from this results JSON: the sections measured "
+                                         "now replace its own, the others are kept")
     parser.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
@@ -261,6 +260,11 @@ def main() -> None:
     if args.quick:
         args.sizes, args.sparse_sizes, args.dtypes = [512, 1024, 2048], [4096], ["float32"]
     results = _provenance()
+    if args.update:
+        previous = json.loads(pathlib.Path(args.update).read_text())
+        for key in ("command", "revision", "date"):
+            results[key] = f"{previous[key]}; then {results[key]}"
+        results = {**previous, **results}
     try:
         import torch
 

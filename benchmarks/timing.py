@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import resource
 import statistics
 import subprocess
 import sys
@@ -25,9 +24,23 @@ def median_seconds(run: Callable[[], object], *, repeats: int, warmup: int = 1) 
     return statistics.median(times)
 
 
-def peak_rss_mib() -> float:
-    """This process's peak resident memory so far, in MiB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def peak_rss_growth_mib(run: Callable[[], object]) -> float:
+    """How far `run()` raises this process's resident memory above where it stood, in MiB.
+
+    Linux only: writing 5 to /proc/self/clear_refs resets the peak (VmHWM) to the current
+    resident set, so earlier peaks (imports, compilation) do not hide the run's own.
+    """
+    pathlib.Path("/proc/self/clear_refs").write_text("5")
+    before = _status_kib("VmRSS")
+    run()
+    return (_status_kib("VmHWM") - before) / 1024
+
+
+def _status_kib(field: str) -> int:
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def run_child(args: Sequence[str]) -> dict:
