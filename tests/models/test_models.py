@@ -190,3 +190,16 @@ def test_token_types_from_separators():
     ids = jnp.array([[101, 7, 8, 102, 9, 10, 102, 0], [101, 7, 102, 0, 0, 0, 0, 0]])
     types = token_types_from_separators(ids, 102)
     np.testing.assert_array_equal(types, [[0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1, 1, 1]])
+
+
+def test_scanned_model_trains_functionally_with_the_rest_of_the_state_closed_over():
+    """The usual training-step pattern: only parameters are traced arguments."""
+    model = create("char-gpt", rngs=nnx.Rngs(0), num_layers=2, scan_layers=True)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def loss(params, ids):
+        return jnp.mean(nnx.merge(graphdef, params, rest)(ids) ** 2)
+
+    grads = jax.grad(loss)(params, jnp.arange(8)[None])
+    assert grads["stack"]["layers"]["mlp"]["up"]["kernel"][...].shape[0] == 2

@@ -9,6 +9,7 @@ from flax import nnx
 
 from tfx.models.config import TransformerConfig
 from tfx.nn.attention import Attention, Rope
+from tfx.nn.dropout import make_dropout
 from tfx.nn.mlp import MLP
 from tfx.nn.norms import make_norm
 
@@ -53,7 +54,7 @@ class Block(nnx.Module):
         self.mlp = MLP(c.d_model, c.d_ff, activation=c.activation, gated=c.gated_mlp,
                        use_bias=c.use_bias, rngs=rngs, **kinds)
         self.mlp_norm = norm()
-        self.dropout = nnx.Dropout(c.dropout, rngs=rngs)
+        self.dropout = make_dropout(c.dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array, *, context: jax.Array | None = None,
                  context_mask: jax.Array | None = None, **attention_args) -> jax.Array:

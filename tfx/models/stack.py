@@ -8,6 +8,7 @@ from flax import nnx
 
 from tfx.models.block import Block, dtypes
 from tfx.models.config import EncoderConfig, TransformerConfig
+from tfx.nn.dropout import make_dropout
 from tfx.nn.embeddings import LearnedPositions, SinusoidalPositions, TokenEmbedding
 from tfx.nn.norms import make_norm
 from tfx.nn.relative_bias import RelativePositionBias
@@ -36,7 +37,7 @@ class Embeddings(nnx.Module):
                             if isinstance(c, EncoderConfig) else None)
         self.norm = None if c.pre_norm else make_norm(c.norm, c.d_model, epsilon=c.norm_eps,
                                                       rngs=rngs, **kinds)
-        self.dropout = nnx.Dropout(c.dropout, rngs=rngs)
+        self.dropout = make_dropout(c.dropout, rngs=rngs)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array,
                  token_type_ids: jax.Array | None = None) -> jax.Array:
@@ -90,7 +91,7 @@ class Stack(nnx.Module):
                                     for _ in range(count)])
         self.final_norm = (make_norm(c.norm, c.d_model, epsilon=c.norm_eps, rngs=rngs, **kinds)
                            if c.pre_norm else None)
-        self.dropout = nnx.Dropout(c.dropout, rngs=rngs)
+        self.dropout = make_dropout(c.dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array, *, positions: jax.Array, mask: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, context: jax.Array | None = None,

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfx.nn.dropout import make_dropout
+
 __all__ = ["ACTIVATIONS", "MLP"]
 
 ACTIVATIONS = {
@@ -43,7 +45,7 @@ class MLP(nnx.Module):
         self.up = linear(d_model, d_ff)
         self.gate = linear(d_model, d_ff) if gated else None
         self.down = linear(d_ff, d_model)
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.dropout = make_dropout(dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """[batch, seq, d_model] -> [batch, seq, d_model]."""
