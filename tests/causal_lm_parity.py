@@ -35,3 +35,11 @@ def tfx_logits(model, input_ids, attention_mask) -> np.ndarray:
 def assert_close_where_real(ours, theirs, attention_mask):
     real = attention_mask.astype(bool)  # HF's logits at padded queries are not meaningful
     np.testing.assert_allclose(ours[real], theirs[real], rtol=1e-4, atol=1e-5)
+
+
+def assert_logits_match(torch, ours, theirs, seq: int):
+    """tfx model `ours` and torch model `theirs` agree on a right-padded batch of length seq."""
+    input_ids, attention_mask = padded_inputs(seq)
+    assert_close_where_real(tfx_logits(ours, input_ids, attention_mask),
+                            torch_logits(torch, theirs, input_ids, attention_mask),
+                            attention_mask)

@@ -16,11 +16,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from causal_lm_parity import (  # noqa: E402
-    assert_close_where_real,
+    assert_logits_match,
     padded_inputs,
     perturb,
-    tfx_logits,
-    torch_logits,
 )
 
 import tfx.hf  # noqa: E402
@@ -56,9 +54,7 @@ def loaded(request, tmp_path_factory):
 
 def test_logits_match_transformers(loaded):
     _, hf_model, model = loaded
-    inputs = padded_inputs(SEQ)
-    assert_close_where_real(tfx_logits(model, *inputs), torch_logits(torch, hf_model, *inputs),
-                             inputs[1])
+    assert_logits_match(torch, model, hf_model, SEQ)
 
 
 def test_config_mapping(loaded):
@@ -77,9 +73,7 @@ def test_save_round_trips_through_transformers(loaded, tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "out", attn_implementation="eager").eval()
     assert type(reloaded).__name__ == ARCH
-    inputs = padded_inputs(SEQ)
-    assert_close_where_real(tfx_logits(model, *inputs), torch_logits(torch, reloaded, *inputs),
-                             inputs[1])
+    assert_logits_match(torch, model, reloaded, SEQ)
     assert tfx.hf.load(tmp_path / "out").config == model.config
 
 
