@@ -12,6 +12,7 @@ from tfx.nn.attention import Attention, Rope
 from tfx.nn.dropout import make_dropout
 from tfx.nn.mlp import MLP
 from tfx.nn.norms import make_norm
+from tfx.ops.kv_cache import LayerKV
 
 __all__ = ["Block", "dtypes"]
 
@@ -56,22 +57,33 @@ class Block(nnx.Module):
         self.mlp_norm = norm()
         self.dropout = make_dropout(c.dropout, rngs=rngs)
 
-    def __call__(self, x: jax.Array, *, context: jax.Array | None = None,
-                 context_mask: jax.Array | None = None, **attention_args) -> jax.Array:
-        """[batch, seq, d_model] -> same.
+    def __call__(self, x: jax.Array, *, context: jax.Array | LayerKV | None = None,
+                 context_mask: jax.Array | None = None, cache: LayerKV | None = None,
+                 **attention_args) -> jax.Array | tuple[jax.Array, LayerKV]:
+        """[batch, seq, d_model] -> same (and the updated self-attention cache, given one).
 
         Args:
-          context: encoder output [batch, src_len, d_model] for the cross-attention layer.
+          context: encoder output [batch, src_len, d_model] for the cross-attention layer, or
+            its keys and values cached by `cross_attention.keys_values`.
           context_mask: bool mask for the cross-attention, broadcastable to
             [batch, heads, seq, src_len].
-          attention_args: mask, bias, is_causal, sparsity, positions, segment ids of the
-            self-attention (see `tfx.nn.Attention`).
+          cache: this layer's self-attention LayerKV (with `cache_step` in attention_args).
+          attention_args: mask, bias, is_causal, sparsity, positions, segment ids, cache_step
+            of the self-attention (see `tfx.nn.Attention`).
         """
-        x = self._residual(x, self.attention_norm, lambda h: self.attention(h, **attention_args))
+        def attend(h):
+            nonlocal cache
+            if cache is None:
+                return self.attention(h, **attention_args)
+            h, cache = self.attention(h, cache=cache, **attention_args)
+            return h
+
+        x = self._residual(x, self.attention_norm, attend)
         if self.cross_attention is not None:
             x = self._residual(x, self.cross_norm,
                                lambda h: self.cross_attention(h, context, mask=context_mask))
-        return self._residual(x, self.mlp_norm, self.mlp)
+        x = self._residual(x, self.mlp_norm, self.mlp)
+        return x if cache is None else (x, cache)
 
     def _residual(self, x, norm, branch):
         if self.pre_norm:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -9,6 +11,7 @@ from flax import nnx
 from tfx.models.block import dtypes
 from tfx.models.config import DecoderConfig
 from tfx.models.stack import Embeddings, Stack
+from tfx.ops.kv_cache import KVCache, init_cache
 from tfx.ops.masks import padding_mask
 
 __all__ = ["Decoder"]
@@ -30,8 +33,8 @@ class Decoder(nnx.Module):
             config.d_model, config.vocab_size, use_bias=False, rngs=rngs, **dtypes(config)))
 
     def __call__(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None,
-                 position_ids: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+                 position_ids: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                 cache: KVCache | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
         """Next-token logits.
 
         Args:
@@ -39,21 +42,56 @@ class Decoder(nnx.Module):
           attention_mask: optional [batch, seq], 1/True for real tokens, 0/False for padding.
           position_ids: optional int [batch, seq] (default 0 .. seq - 1).
           segment_ids: optional int [batch, seq] for packed sequences.
+          cache: a KVCache from `init_cache`: the tokens continue each sequence at its own next
+            position (padding, marked by attention_mask, takes no position).
         Returns:
-          float32 [batch, seq, vocab_size].
+          float32 [batch, seq, vocab_size]; with a cache, also the updated cache.
         """
         hidden = self.hidden_states(input_ids, attention_mask=attention_mask,
-                                    position_ids=position_ids, segment_ids=segment_ids)
-        return self.logits(hidden)
+                                    position_ids=position_ids, segment_ids=segment_ids,
+                                    cache=cache)
+        if cache is None:
+            return self.logits(hidden)
+        hidden, cache = hidden
+        return self.logits(hidden), cache
 
     def hidden_states(self, input_ids, *, attention_mask=None, position_ids=None,
-                      segment_ids=None) -> jax.Array:
-        """[batch, seq] -> the final-normalised hidden states [batch, seq, d_model]."""
+                      segment_ids=None, cache: KVCache | None = None):
+        """[batch, seq] -> the final-normalised hidden states [batch, seq, d_model] (and the
+        updated cache when one is given)."""
         _check_ids(input_ids)
+        if cache is not None:
+            if position_ids is not None or segment_ids is not None:
+                raise ValueError("with a cache, positions come from the cache: position_ids and "
+                                 "segment_ids must be None")
+            valid = (jnp.ones(input_ids.shape, bool) if attention_mask is None
+                     else attention_mask.astype(bool))
+            step, cache = cache.plan(valid)
+            x = self.embeddings(input_ids, jnp.maximum(step.query_positions, 0))
+            x, layers = self.stack(x, positions=step.query_positions, cache=cache.layers,
+                                   cache_step=step)
+            return x, dataclasses.replace(cache, layers=layers)
         positions = jnp.arange(input_ids.shape[1]) if position_ids is None else position_ids
         mask = None if attention_mask is None else padding_mask(attention_mask.astype(bool))
         x = self.embeddings(input_ids, positions)
         return self.stack(x, positions=positions, mask=mask, segment_ids=segment_ids)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        """An empty KV cache for `batch` sequences of up to `max_len` tokens in all (a ring
+        buffer of the sliding window when the config has one shorter than max_len).
+
+        dtype: of the cached keys and values (default: the compute dtype, float32 if unset).
+        """
+        c = self.config
+        if c.position == "xl":
+            raise ValueError("position='xl' decodes with segment memory, not a KV cache")
+        if c.position == "learned" and max_len > c.max_len:
+            raise ValueError(f"max_len ({max_len}) exceeds the learned position table "
+                             f"(config.max_len = {c.max_len})")
+        dtype = jnp.dtype(dtype or c.dtype or jnp.float32)
+        return init_cache(num_layers=c.num_layers, batch=batch, max_len=max_len,
+                          num_kv_heads=c.kv_heads, head_dim=c.head_dim or c.d_model // c.num_heads,
+                          dtype=dtype, window=c.sliding_window, stacked=c.scan_layers)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[batch, seq, d_model] -> float32 [batch, seq, vocab_size]."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -11,6 +13,7 @@ from tfx.models.config import EncoderDecoderConfig
 from tfx.models.decoder import _check_ids
 from tfx.models.stack import Embeddings, Stack
 from tfx.nn.embeddings import TokenEmbedding
+from tfx.ops.kv_cache import Seq2SeqCache, init_cache
 from tfx.ops.masks import padding_mask
 
 __all__ = ["EncoderDecoder"]
@@ -54,19 +57,69 @@ class EncoderDecoder(nnx.Module):
         return self.encoder(self.encoder_embeddings(input_ids, positions), positions=positions,
                             mask=mask)
 
-    def decode(self, decoder_input_ids: jax.Array, encoded: jax.Array, *,
+    def decode(self, decoder_input_ids: jax.Array, encoded: jax.Array | None = None, *,
                attention_mask: jax.Array | None = None,
-               decoder_attention_mask: jax.Array | None = None) -> jax.Array:
-        """Decoder tokens and encoder output -> float32 logits [batch, target_len, vocab]."""
+               decoder_attention_mask: jax.Array | None = None,
+               cache: Seq2SeqCache | None = None):
+        """Decoder tokens and encoder output -> float32 logits [batch, target_len, vocab].
+
+        With a cache (from `init_cache`) the encoder output, its mask and the cross-attention
+        keys/values come from the cache, the tokens continue each sequence, and the updated
+        cache is returned as well.
+        """
         _check_ids(decoder_input_ids)
-        positions = jnp.arange(decoder_input_ids.shape[1])
+        mask = (None if decoder_attention_mask is None
+                else decoder_attention_mask.astype(bool))
+        if cache is None:
+            if encoded is None:
+                raise ValueError("decode needs the encoder output `encoded` or a `cache`")
+            positions = jnp.arange(decoder_input_ids.shape[1])
+            context_mask = (None if attention_mask is None
+                            else padding_mask(attention_mask.astype(bool)))
+            hidden = self.decoder(self.decoder_embeddings(decoder_input_ids, positions),
+                                  positions=positions,
+                                  mask=None if mask is None else padding_mask(mask),
+                                  context=encoded, context_mask=context_mask)
+            return self._logits(hidden)
+        if encoded is not None or attention_mask is not None:
+            raise ValueError("with a cache, the encoder output and its mask come from the cache: "
+                             "encoded and attention_mask must be None")
+        valid = jnp.ones(decoder_input_ids.shape, bool) if mask is None else mask
+        step, decoder_cache = cache.decoder.plan(valid)
+        x = self.decoder_embeddings(decoder_input_ids, jnp.maximum(step.query_positions, 0))
+        hidden, layers = self.decoder(x, positions=step.query_positions, context=cache.cross,
+                                      context_mask=cache.context_mask,
+                                      cache=decoder_cache.layers, cache_step=step)
+        decoder_cache = dataclasses.replace(decoder_cache, layers=layers)
+        return self._logits(hidden), dataclasses.replace(cache, decoder=decoder_cache)
+
+    def init_cache(self, encoded: jax.Array, max_len: int, dtype=None, *,
+                   attention_mask: jax.Array | None = None) -> Seq2SeqCache:
+        """Decoding state for an encoder output [batch, src_len, d_model]: an empty
+        self-attention cache for up to `max_len` decoder tokens, and every layer's cross-attention
+        keys and values computed here, once.
+
+        attention_mask: [batch, src_len] of the source (1 = real token), or None.
+        dtype: of the self-attention cache (default: the compute dtype, float32 if unset).
+        """
+        c = self.config
+        if encoded.ndim != 3 or encoded.shape[-1] != c.d_model:
+            raise ValueError(f"encoded must be [batch, src_len, {c.d_model}], got "
+                             f"{tuple(encoded.shape)}")
+        if c.position == "learned" and max_len > c.max_len:
+            raise ValueError(f"max_len ({max_len}) exceeds the learned position table "
+                             f"(config.max_len = {c.max_len})")
+        decoder = init_cache(num_layers=c.decoder_layers, batch=encoded.shape[0], max_len=max_len,
+                             num_kv_heads=c.kv_heads,
+                             head_dim=c.head_dim or c.d_model // c.num_heads,
+                             dtype=jnp.dtype(dtype or c.dtype or jnp.float32),
+                             stacked=c.scan_layers)
         context_mask = (None if attention_mask is None
                         else padding_mask(attention_mask.astype(bool)))
-        mask = (None if decoder_attention_mask is None
-                else padding_mask(decoder_attention_mask.astype(bool)))
-        hidden = self.decoder(self.decoder_embeddings(decoder_input_ids, positions),
-                              positions=positions, mask=mask, context=encoded,
-                              context_mask=context_mask)
+        return Seq2SeqCache(decoder=decoder, cross=self.decoder.cross_keys_values(encoded),
+                            context_mask=context_mask)
+
+    def _logits(self, hidden: jax.Array) -> jax.Array:
         if self.head is not None:
             return self.head(hidden).astype(jnp.float32)
         if self.config.scale_tied_head:

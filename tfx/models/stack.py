@@ -12,6 +12,7 @@ from tfx.nn.dropout import make_dropout
 from tfx.nn.embeddings import LearnedPositions, SinusoidalPositions, TokenEmbedding
 from tfx.nn.norms import make_norm
 from tfx.nn.relative_bias import RelativePositionBias
+from tfx.ops.kv_cache import CacheStep, LayerKV
 from tfx.ops.sparse import SlidingWindow
 
 __all__ = ["Embeddings", "Stack"]
@@ -94,37 +95,70 @@ class Stack(nnx.Module):
         self.dropout = make_dropout(c.dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array, *, positions: jax.Array, mask: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, context: jax.Array | None = None,
-                 context_mask: jax.Array | None = None) -> jax.Array:
-        """[batch, seq, d_model] -> [batch, seq, d_model].
+                 segment_ids: jax.Array | None = None,
+                 context: jax.Array | LayerKV | tuple[LayerKV, ...] | None = None,
+                 context_mask: jax.Array | None = None,
+                 cache: LayerKV | tuple[LayerKV, ...] | None = None,
+                 cache_step: CacheStep | None = None):
+        """[batch, seq, d_model] -> [batch, seq, d_model] (and the updated layer caches).
 
         Args:
-          positions: int [batch, seq] or [seq], true token positions (RoPE, ALiBi, T5 bias).
+          positions: int [batch, seq] or [seq], true token positions (RoPE, ALiBi, T5 bias);
+            ignored with a cache, whose step supplies them.
           mask: bool key mask broadcastable to [batch, heads, seq, seq] (padding), combined with
             the causal mask and sliding window of the config.
           segment_ids: int [batch, seq] for packed sequences.
-          context, context_mask: encoder output and its mask for cross-attention.
+          context, context_mask: encoder output (or per-layer cross keys/values from
+            `cross_keys_values`) and its mask for cross-attention.
+          cache, cache_step: per-layer self-attention caches (`KVCache.layers`) and the call's
+            `CacheStep`; visibility then comes from the cache's positions.
+        Returns:
+          hidden states, or (hidden states, updated cache layers) when a cache is given.
         """
+        sparsity, is_causal = None, self.causal
+        if cache_step is not None:
+            positions, key_positions, is_causal = (cache_step.query_positions,
+                                                   cache_step.key_positions, False)
+        elif self.causal and self.sliding_window is not None:
+            # A sliding window is itself causal (Mistral); otherwise plainly causal.
+            sparsity, is_causal = SlidingWindow(self.sliding_window), False
         bias = None
         if self.relative_bias is not None:
-            bias = self.relative_bias(positions, positions)
-        # A sliding window is itself causal (Mistral); otherwise a decoder is plainly causal.
-        sparsity = None
-        if self.causal and self.sliding_window is not None:
-            sparsity = SlidingWindow(self.sliding_window)
-        args = dict(mask=mask, bias=bias, is_causal=self.causal and sparsity is None,
-                    sparsity=sparsity, positions=positions, query_segment_ids=segment_ids,
-                    context=context, context_mask=context_mask)
+            bias = self.relative_bias(positions,
+                                      positions if cache_step is None else key_positions)
+        args = dict(mask=mask, bias=bias, is_causal=is_causal, sparsity=sparsity,
+                    positions=positions, query_segment_ids=segment_ids,
+                    context_mask=context_mask, cache_step=cache_step)
+        per_layer_context = isinstance(context, LayerKV | tuple)
 
-        def run(h, block):
-            return block(h, **args)
+        def run(h, block, layer_cache, layer_context):
+            out = block(h, context=layer_context, cache=layer_cache, **args)
+            return out if layer_cache is not None else (out, None)
 
         run = nnx.remat(run) if self.remat else run
         if self.scan_layers:
-            x = nnx.scan(run, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.layers)
+            axes = (nnx.Carry, 0, None if cache is None else 0, 0 if per_layer_context else None)
+            x, cache = nnx.scan(run, in_axes=axes, out_axes=(nnx.Carry, 0))(
+                x, self.layers, cache, context)
         else:
-            for layer in self.layers:
-                x = run(x, layer)
+            caches = [None] * len(self.layers) if cache is None else cache
+            contexts = context if per_layer_context else [context] * len(self.layers)
+            updated = []
+            for layer, layer_cache, layer_context in zip(self.layers, caches, contexts,
+                                                         strict=True):
+                x, layer_cache = run(x, layer, layer_cache, layer_context)
+                updated.append(layer_cache)
+            cache = None if cache is None else tuple(updated)
         if self.final_norm is not None:
             x = self.dropout(self.final_norm(x))
-        return x
+        return x if cache is None else (x, cache)
+
+    def cross_keys_values(self, context: jax.Array) -> LayerKV | tuple[LayerKV, ...]:
+        """Every layer's cross-attention keys and values of an encoder output
+        [batch, src_len, d_model], computed once for decoding (stacked when layers are)."""
+        def project(block):
+            return block.cross_attention.keys_values(context)
+
+        if self.scan_layers:
+            return nnx.vmap(project, in_axes=0, out_axes=0)(self.layers)
+        return tuple(project(block) for block in self.layers)

@@ -10,6 +10,7 @@ from flax import nnx
 
 from tfx.ops import dot_product_attention
 from tfx.ops.attention import IMPLEMENTATIONS
+from tfx.ops.kv_cache import CacheStep, LayerKV, write
 from tfx.ops.positional import (
     RopeScaling,
     alibi_bias,
@@ -102,45 +103,61 @@ class Attention(nnx.Module):
         self.content_bias = nnx.Param(zeros) if relative else None
         self.position_bias = nnx.Param(zeros) if relative else None
 
-    def __call__(self, x: jax.Array, context: jax.Array | None = None, *,
+    def __call__(self, x: jax.Array, context: jax.Array | LayerKV | None = None, *,
                  mask: jax.Array | None = None, bias: jax.Array | None = None,
                  is_causal: bool = False, sparsity: SparsitySpec | None = None,
                  query_segment_ids: jax.Array | None = None,
                  key_segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None,
-                 key_positions: jax.Array | None = None) -> jax.Array:
+                 key_positions: jax.Array | None = None,
+                 cache: LayerKV | None = None,
+                 cache_step: CacheStep | None = None) -> jax.Array | tuple[jax.Array, LayerKV]:
         """Attend from `x` to `context` (or to `x` itself).
 
         Args:
           x: [batch, q_len, d_model].
-          context: [batch, kv_len, kv_features] for cross-attention; None for self-attention.
+          context: [batch, kv_len, kv_features] for cross-attention, or its keys and values
+            already projected (`keys_values`, computed once per encoder output); None for
+            self-attention.
           positions: int [batch, q_len] or [q_len], true positions of the queries for RoPE and
             ALiBi (default 0 .. q_len - 1); key_positions likewise for the keys (default: the
             query positions in self-attention, 0 .. kv_len - 1 in cross-attention).
           mask, bias, is_causal, sparsity, query_segment_ids, key_segment_ids: as in
             `tfx.ops.dot_product_attention` (masks broadcast to [batch, heads, q_len, kv_len]).
+          cache, cache_step: self-attention decoding: this layer's `LayerKV` and the call's
+            `CacheStep` (`tfx.ops.kv_cache`), which supplies positions and the mask.
         Returns:
-          [batch, q_len, d_model].
+          [batch, q_len, d_model]; with a cache, also the updated LayerKV.
         """
         if x.ndim != 3:
             raise ValueError(f"x must have 3 dims [batch, q_len, d_model], got shape {x.shape}")
-        context = x if context is None else context
+        if (cache is None) != (cache_step is None):
+            raise ValueError("cache and cache_step must be given together")
         batch, q_len, _ = x.shape
         query = self.query(x).reshape(batch, q_len, self.num_heads, self.head_dim)
-        key, value = (
-            proj(context).reshape(batch, context.shape[1], self.num_kv_heads, self.head_dim)
-            for proj in (self.key, self.value)
-        )
+        kv = context if isinstance(context, LayerKV) else self.keys_values(
+            x if context is None else context)
+        key, value = kv.key, kv.value
+        if cache_step is not None:
+            if context is not None or self.position_proj is not None:
+                raise ValueError("a KV cache serves causal self-attention without Transformer-XL "
+                                 "relative positions")
+            positions = cache_step.query_positions
+            mask = cache_step.mask if mask is None else mask & cache_step.mask
         if self.rope is not None or self.alibi:
             if positions is None:
                 positions = jnp.arange(q_len)
             if key_positions is None:
-                key_positions = positions if context is x else jnp.arange(key.shape[1])
+                key_positions = positions if context is None else jnp.arange(key.shape[1])
         if self.rope is not None:
             rope = dict(theta=self.rope.theta, layout=self.rope.layout,
                         scaling=self.rope.scaling, rotary_fraction=self.rope.fraction)
             query = apply_rope(query, positions, **rope)
-            key = apply_rope(key, key_positions, **rope)
+            if not isinstance(context, LayerKV):
+                key = apply_rope(key, key_positions, **rope)
+        if cache is not None:
+            key, value, cache = write(cache, key, value, cache_step)
+            key_positions = cache_step.key_positions
         if self.alibi:
             alibi = alibi_bias(alibi_slopes(self.num_heads), positions, key_positions)
             alibi = alibi if alibi.ndim == 4 else alibi[None]
@@ -154,7 +171,15 @@ class Attention(nnx.Module):
             key_segment_ids=key_segment_ids, implementation=self.implementation,
             block_sizes=self.block_sizes,
         )
-        return self.out(out.reshape(batch, q_len, self.num_heads * self.head_dim))
+        out = self.out(out.reshape(batch, q_len, self.num_heads * self.head_dim))
+        return out if cache is None else (out, cache)
+
+    def keys_values(self, context: jax.Array) -> LayerKV:
+        """[batch, kv_len, kv_features] -> keys and values [batch, kv_len, num_kv_heads,
+        head_dim] (before RoPE), e.g. to cache a cross-attention's once per encoder output."""
+        batch, kv_len, _ = context.shape
+        return LayerKV(*(proj(context).reshape(batch, kv_len, self.num_kv_heads, self.head_dim)
+                         for proj in (self.key, self.value)))
 
     def _relative(self, query: jax.Array, kv_len: int) -> tuple[jax.Array, jax.Array]:
         """Transformer-XL: the query with the content bias u added, and the position term as a

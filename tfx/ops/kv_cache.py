@@ -1,0 +1,214 @@
+"""Key/value caches for autoregressive decoding, as explicit pytrees.
+
+Why keys and values and not queries: a new token's query is used once, by that token, but every
+later token attends to its key and value. Caching them turns each decoding step from
+O(seq * d_model^2) projections for the whole prefix into O(d_model^2) for one token.
+
+Layout. Each layer holds `LayerKV` arrays [batch, cache_len, num_kv_heads, head_dim] (GQA/MQA
+store only their KV heads). Shared by the layers, `KVCache.positions` [batch, cache_len] records
+the true position of the token in each slot (-1: empty), and `next_position` [batch] where each
+sequence goes on. A token at true position p lives in slot p, or p % window for a sliding-window
+ring buffer, so prompts of different lengths (left- or right-padded) decode side by side and
+padding never occupies a slot. Visibility is computed from positions (valid, causal, within the
+window), which makes the ring buffer exact however far decoding runs past the window.
+
+One call of a model with a cache is planned once (`KVCache.plan`, shared by every layer) and then
+each layer writes and reads its own keys and values (`write`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from tfx.ops import _checks
+
+__all__ = ["CacheStep", "KVCache", "LayerKV", "Seq2SeqCache", "init_cache", "write"]
+
+
+def _pytree(*, meta=()):
+    """Register a frozen dataclass as a pytree whose fields are arrays except `meta`."""
+
+    def register(cls):
+        cls = dataclasses.dataclass(frozen=True)(cls)
+        data = [f.name for f in dataclasses.fields(cls) if f.name not in meta]
+        return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=list(meta))
+
+    return register
+
+
+@_pytree()
+class LayerKV:
+    """One attention layer's keys and values, each [batch, cache_len, num_kv_heads, head_dim]
+    (with a leading [num_layers] axis when a model stacks its layers)."""
+
+    key: jax.Array
+    value: jax.Array
+
+    @property
+    def nbytes(self) -> int:
+        return self.key.nbytes + self.value.nbytes
+
+
+@_pytree(meta=("append",))
+class CacheStep:
+    """What one call writes and sees, computed once and shared by every layer.
+
+    slots: int32 [batch, q_len], the slot each new token is written to (cache_len: not written,
+      for padding, or for chunk tokens a ring buffer has no room for).
+    query_positions: int32 [batch, q_len], true positions of the new tokens.
+    key_positions: int32 [batch, kv_len], true positions of the keys attended (-1: nothing).
+    mask: bool [batch, 1, q_len, kv_len].
+    append: attend to the cache as it was plus the new keys (kv_len = cache_len + q_len), then
+      write; used when a ring buffer receives several tokens at once, because their writes may
+      overwrite keys that earlier tokens of the same chunk still see. Otherwise write first and
+      attend to the cache (kv_len = cache_len).
+    """
+
+    slots: jax.Array
+    query_positions: jax.Array
+    key_positions: jax.Array
+    mask: jax.Array
+    append: bool
+
+
+@_pytree(meta=("window",))
+class KVCache:
+    """A decoder's cache: per-layer keys/values and the slot bookkeeping the layers share.
+
+    layers: tuple of LayerKV, one per layer, or one LayerKV with a leading [num_layers] axis.
+    positions: int32 [batch, cache_len], true position held by each slot, -1 when empty.
+    next_position: int32 [batch], the true position of each sequence's next token.
+    window: sliding-window size when the cache is a ring buffer of `window` slots, else None.
+    """
+
+    layers: tuple[LayerKV, ...] | LayerKV
+    positions: jax.Array
+    next_position: jax.Array
+    window: int | None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of cached keys and values (the bookkeeping is negligible)."""
+        layers = self.layers if isinstance(self.layers, tuple) else (self.layers,)
+        return sum(layer.nbytes for layer in layers)
+
+    def plan(self, valid: jax.Array) -> tuple[CacheStep, KVCache]:
+        """Place a call's new tokens.
+
+        Args:
+          valid: bool [batch, q_len], False for padding (which gets no position and no slot).
+        Returns:
+          the CacheStep the layers use, and this cache with updated positions and
+          next_position (its layers are replaced by the caller after the layers ran).
+        """
+        batch, q_len = valid.shape
+        cache_len = self.positions.shape[1]
+        counts = jnp.cumsum(valid, axis=1, dtype=jnp.int32)
+        query_positions = self.next_position[:, None] + counts - 1
+        next_position = self.next_position + counts[:, -1]
+        keep = valid
+        if self.window is not None:  # only the last `cache_len` tokens of the chunk fit
+            keep = keep & (query_positions >= next_position[:, None] - cache_len)
+            slots = query_positions % cache_len
+        else:
+            slots = query_positions
+        slots = jnp.where(keep, slots, cache_len)
+        rows = jnp.arange(batch)[:, None]
+        positions = self.positions.at[rows, slots].set(query_positions, mode="drop")
+        append = self.window is not None and q_len > 1
+        if append:
+            key_positions = jnp.concatenate(
+                [self.positions, jnp.where(valid, query_positions, -1)], axis=1)
+        else:
+            key_positions = positions
+        q, k = query_positions[:, None, :, None], key_positions[:, None, None, :]
+        mask = (k >= 0) & (k <= q)
+        if self.window is not None:
+            mask = mask & (q - k < self.window)
+        step = CacheStep(slots=slots, query_positions=query_positions,
+                         key_positions=key_positions, mask=mask, append=append)
+        return step, dataclasses.replace(self, positions=positions, next_position=next_position)
+
+
+def write(layer: LayerKV, key: jax.Array, value: jax.Array,
+          step: CacheStep) -> tuple[jax.Array, jax.Array, LayerKV]:
+    """Store one layer's new keys and values and return what the layer attends to.
+
+    Args:
+      layer: the layer's cache, [batch, cache_len, num_kv_heads, head_dim] each.
+      key, value: [batch, q_len, num_kv_heads, head_dim], already rotated (RoPE) at their
+        positions.
+      step: from `KVCache.plan`.
+    Returns:
+      keys and values to attend, [batch, kv_len, num_kv_heads, head_dim] (kv_len as in `step`),
+      and the updated layer cache.
+    """
+    rows = jnp.arange(key.shape[0])[:, None]
+
+    def put(cached, new):
+        return cached.at[rows, step.slots].set(new.astype(cached.dtype), mode="drop")
+
+    updated = LayerKV(put(layer.key, key), put(layer.value, value))
+    if step.append:
+        return (jnp.concatenate([layer.key, key.astype(layer.key.dtype)], axis=1),
+                jnp.concatenate([layer.value, value.astype(layer.value.dtype)], axis=1), updated)
+    return updated.key, updated.value, updated
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "num_layers", "batch", "max_len", "num_kv_heads", "head_dim", "dtype", "window", "stacked"))
+def init_cache(*, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+               dtype=jnp.float32, window: int | None = None, stacked: bool = False) -> KVCache:
+    """An empty cache for sequences of up to `max_len` tokens (prompt and generated together).
+
+    With a sliding `window` shorter than max_len the cache is a ring buffer of `window` slots,
+    so its memory does not grow with the sequence.
+
+    Args:
+      num_layers, batch, num_kv_heads, head_dim: positive ints.
+      max_len: the largest true position + 1 that will be decoded.
+      dtype: of the cached keys and values.
+      window: the model's sliding window (keys q - window < k <= q), or None.
+      stacked: one LayerKV with a leading [num_layers] axis (scanned layers) instead of a tuple.
+    Returns:
+      KVCache with layers [batch, cache_len, num_kv_heads, head_dim], cache_len = max_len or
+      window.
+    """
+    for name, number in (("num_layers", num_layers), ("batch", batch), ("max_len", max_len),
+                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        _checks.positive_int(name, number)
+    if window is not None:
+        _checks.positive_int("window", window)
+    ring = window is not None and window < max_len
+    cache_len = window if ring else max_len
+    shape = (batch, cache_len, num_kv_heads, head_dim)
+    if stacked:
+        layers = LayerKV(*(jnp.zeros((num_layers, *shape), dtype) for _ in range(2)))
+    else:
+        layers = tuple(LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                       for _ in range(num_layers))
+    return KVCache(layers=layers, positions=jnp.full((batch, cache_len), -1, jnp.int32),
+                   next_position=jnp.zeros((batch,), jnp.int32), window=window if ring else None)
+
+
+@_pytree()
+class Seq2SeqCache:
+    """An encoder–decoder's decoding state: the decoder's self-attention KVCache, every layer's
+    cross-attention keys/values of the encoder output (computed once), and the encoder mask.
+
+    cross: tuple of LayerKV [batch, src_len, num_kv_heads, head_dim], or one stacked LayerKV.
+    context_mask: bool [batch, 1, 1, src_len], or None when the source has no padding.
+    """
+
+    decoder: KVCache
+    cross: tuple[LayerKV, ...] | LayerKV
+    context_mask: jax.Array | None
+
+    @property
+    def nbytes(self) -> int:
+        cross = self.cross if isinstance(self.cross, tuple) else (self.cross,)
+        return self.decoder.nbytes + sum(layer.nbytes for layer in cross)
