@@ -1,3 +1,7 @@
 """tfx: transformer building blocks and models for JAX and Flax NNX."""
 
+from tfx.generation import generate
+
 __version__ = "0.1.0"
+
+__all__ = ["generate"]

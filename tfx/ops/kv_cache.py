@@ -96,6 +96,14 @@ class KVCache:
         layers = self.layers if isinstance(self.layers, tuple) else (self.layers,)
         return sum(layer.nbytes for layer in layers)
 
+    def take(self, rows: jax.Array) -> KVCache:
+        """The cache of sequences `rows` (int [new_batch]), e.g. to expand a batch into beams
+        or to follow the beams that survived a step."""
+        stacked = not isinstance(self.layers, tuple)
+        layers = jax.tree.map(lambda x: jnp.take(x, rows, axis=1 if stacked else 0), self.layers)
+        return KVCache(layers=layers, positions=self.positions[rows],
+                       next_position=self.next_position[rows], window=self.window)
+
     def plan(self, valid: jax.Array) -> tuple[CacheStep, KVCache]:
         """Place a call's new tokens.
 
@@ -212,3 +220,10 @@ class Seq2SeqCache:
     def nbytes(self) -> int:
         cross = self.cross if isinstance(self.cross, tuple) else (self.cross,)
         return self.decoder.nbytes + sum(layer.nbytes for layer in cross)
+
+    def take(self, rows: jax.Array) -> Seq2SeqCache:
+        """The state of sequences `rows` (int [new_batch]); see `KVCache.take`."""
+        stacked = not isinstance(self.cross, tuple)
+        cross = jax.tree.map(lambda x: jnp.take(x, rows, axis=1 if stacked else 0), self.cross)
+        mask = None if self.context_mask is None else self.context_mask[rows]
+        return Seq2SeqCache(decoder=self.decoder.take(rows), cross=cross, context_mask=mask)

@@ -1,0 +1,193 @@
+"""`tfx.generate`: sampling or greedy decoding with a KV cache, compiled once.
+
+One call is one compiled program: prefill the whole prompt in a single model call, then a
+`lax.while_loop` that feeds one token per step through the cache until `max_new_tokens` or until
+every sequence has produced EOS. It is compiled once per (model structure, batch, prompt-length
+bucket, max_new_tokens, which filters are on); the sampling values (temperature, top_k, top_p)
+and the prompt itself are ordinary inputs, so changing them does not recompile.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tfx.models.decoder import Decoder
+from tfx.models.encoder_decoder import EncoderDecoder
+from tfx.ops.sampling import sample_logits
+
+__all__ = ["bucket_length", "generate"]
+
+MIN_BUCKET = 16
+
+
+def bucket_length(length: int, limit: int | None = None) -> int:
+    """The padded prompt length compiled for `length` tokens: the next power of two (at least
+    16), capped at `limit` (the model's max_len minus the new tokens) but never below length."""
+    bucket = max(MIN_BUCKET, 1 << (length - 1).bit_length())
+    return max(length, min(bucket, limit)) if limit is not None else bucket
+
+
+def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             rng: jax.Array | None = None, attention_mask=None,
+             eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+             bucket: bool = True) -> jax.Array:
+    """Continue prompts with a KV cache.
+
+    Args:
+      model: a `tfx.models.Decoder` (GPT-2, LLaMA, Mistral...) or `EncoderDecoder` (T5).
+      input_ids: int [batch, prompt_len]: the prompts (decoders) or the source (encoder–decoders).
+      max_new_tokens: tokens to generate per sequence.
+      temperature: 0.0 is greedy; > 0 samples from softmax(logits / temperature).
+      top_k: keep the k most likely tokens (int >= 1), or None.
+      top_p: nucleus sampling: keep the most likely tokens whose probability reaches top_p, in
+        (0, 1], or None.
+      rng: a jax.random key, required when temperature > 0.
+      attention_mask: [batch, prompt_len], 1 for real tokens and 0 for padding (left or right).
+      eos_token_id: token id(s) that end a sequence; after it a sequence emits `pad_token_id`.
+      pad_token_id: filler after EOS (default: the first eos_token_id, else 0).
+      bucket: pad the prompt (on the right, masked) to a power-of-two length so that nearby
+        prompt lengths share one compiled program.
+    Returns:
+      int32 [batch, prompt_len + max_new_tokens] for decoders (prompt, then new tokens), or
+      [batch, 1 + max_new_tokens] for encoder–decoders (decoder start token, then new tokens).
+    """
+    if not isinstance(model, Decoder | EncoderDecoder):
+        raise TypeError(f"model must be a tfx Decoder or EncoderDecoder, got "
+                        f"{type(model).__name__}")
+    ids = np.asarray(input_ids)
+    if ids.ndim != 2 or ids.shape[1] < 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"input_ids must be int [batch, prompt_len >= 1], got {ids.dtype} "
+                         f"{ids.shape}")
+    mask = _check_mask(attention_mask, ids.shape)
+    config = model.config
+    seq2seq = isinstance(model, EncoderDecoder)
+    filters = _check_sampling(max_new_tokens, temperature, top_k, top_p, rng)
+    eos = _token_ids("eos_token_id", eos_token_id, config.vocab_size)
+    if pad_token_id is None:
+        pad_token_id = eos[0] if eos else 0
+    _token_ids("pad_token_id", pad_token_id, config.vocab_size)
+    prompt_len = ids.shape[1]
+    if seq2seq:
+        needed, cap = 1 + max_new_tokens, config.max_len
+        if config.position == "learned" and prompt_len > config.max_len:
+            raise ValueError(f"input_ids has {prompt_len} tokens, more than the model's max_len "
+                             f"({config.max_len})")
+    else:
+        needed = int(mask.sum(axis=1).max()) + max_new_tokens
+        cap = config.max_len - max_new_tokens
+    if needed > config.max_len:
+        raise ValueError(f"prompt ({needed - max_new_tokens} tokens) + max_new_tokens "
+                         f"({max_new_tokens}) exceeds the model's max_len ({config.max_len})")
+    padded_len = bucket_length(prompt_len, cap) if bucket else prompt_len
+    pad = padded_len - prompt_len
+    # Bucket padding goes on the right, masked: decoders place tokens by their mask, and an
+    # encoder with absolute positions sees its real tokens where they were.
+    padded_ids = np.pad(ids, ((0, 0), (0, pad)))
+    padded_mask = np.pad(mask, ((0, 0), (0, pad)))
+    graphdef, state = nnx.split(model)
+    tokens = _generate(graphdef, state, jnp.asarray(padded_ids, jnp.int32),
+                       jnp.asarray(padded_mask), rng, filters, jnp.asarray(eos or [-1], jnp.int32),
+                       jnp.int32(pad_token_id), max_new_tokens=max_new_tokens,
+                       cache_len=min(padded_len + max_new_tokens, config.max_len))
+    if seq2seq:
+        start = jnp.full((ids.shape[0], 1), config.decoder_start_token_id, jnp.int32)
+        return jnp.concatenate([start, tokens], axis=1)
+    return jnp.concatenate([jnp.asarray(ids, jnp.int32), tokens], axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len"))
+def _generate(graphdef, state, ids, mask, rng, filters, eos, pad_token_id, *,
+              max_new_tokens: int, cache_len: int) -> jax.Array:
+    """The compiled program: prefill, then a while loop of cached single-token steps.
+    Returns int32 [batch, max_new_tokens]."""
+    model = nnx.merge(graphdef, state)
+    batch = ids.shape[0]
+    if isinstance(model, EncoderDecoder):
+        encoded = model.encode(ids, attention_mask=mask)
+        cache = model.init_cache(encoded, max_new_tokens + 1, attention_mask=mask)
+        start = jnp.full((batch, 1), model.config.decoder_start_token_id, jnp.int32)
+        logits, cache = model.decode(start, cache=cache)
+        logits = logits[:, -1]
+
+        def step(token, cache):
+            logits, cache = model.decode(token[:, None], cache=cache)
+            return logits[:, -1], cache
+    else:
+        cache = model.init_cache(batch, cache_len)
+        hidden, cache = model.hidden_states(ids, attention_mask=mask, cache=cache)
+        last = ids.shape[1] - 1 - jnp.argmax(mask[:, ::-1], axis=1)  # last real token per row
+        logits = model.logits(hidden[jnp.arange(batch), last][:, None])[:, 0]
+
+        def step(token, cache):
+            logits, cache = model(token[:, None], cache=cache)
+            return logits[:, -1], cache
+
+    def choose(logits, i, done):
+        key = None if rng is None else jax.random.fold_in(rng, i)
+        token = sample_logits(logits, key, **filters)
+        token = jnp.where(done, pad_token_id, token)
+        return token, done | jnp.isin(token, eos)
+
+    token, done = choose(logits, 0, jnp.zeros((batch,), bool))
+    tokens = jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32).at[:, 0].set(token)
+
+    def unfinished(carry):
+        i, _, _, _, done = carry
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def advance(carry):
+        i, token, cache, tokens, done = carry
+        logits, cache = step(token, cache)
+        token, done = choose(logits, i, done)
+        return i + 1, token, cache, tokens.at[:, i].set(token), done
+
+    carry = jax.lax.while_loop(unfinished, advance, (jnp.int32(1), token, cache, tokens, done))
+    return carry[3]
+
+
+def _check_mask(attention_mask, shape) -> np.ndarray:
+    if attention_mask is None:
+        return np.ones(shape, bool)
+    mask = np.asarray(attention_mask)
+    if mask.shape != shape:
+        raise ValueError(f"attention_mask must have the shape of input_ids {shape}, got "
+                         f"{mask.shape}")
+    mask = mask.astype(bool)
+    if not mask.any(axis=1).all():
+        raise ValueError("attention_mask has a row without any real token")
+    return mask
+
+
+def _check_sampling(max_new_tokens, temperature, top_k, top_p, rng) -> dict:
+    """Validate the sampling arguments; returns the filters as traced values (None = off)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) \
+            or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not isinstance(temperature, int | float) or temperature < 0:
+        raise ValueError(f"temperature must be a float >= 0 (0 is greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int | np.integer)
+                              or top_k < 1):
+        raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, int | float) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    if temperature > 0 and rng is None:
+        raise ValueError("rng must be a jax.random key when temperature > 0 "
+                         "(temperature=0.0 decodes greedily)")
+    return {"temperature": jnp.float32(temperature),
+            "top_k": None if top_k is None else jnp.int32(top_k),
+            "top_p": None if top_p is None else jnp.float32(top_p)}
+
+
+def _token_ids(name: str, value, vocab_size: int) -> list[int]:
+    values = [] if value is None else [value] if np.isscalar(value) else list(value)
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int | np.integer) or not 0 <= v < vocab_size:
+            raise ValueError(f"{name} must be token ids in [0, {vocab_size}), got {value!r}")
+    return [int(v) for v in values]
