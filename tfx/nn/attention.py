@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfx.ops import dot_product_attention
-from tfx.ops.attention import IMPLEMENTATIONS
+from tfx.ops.attention import IMPLEMENTATIONS, cached_attention
 from tfx.ops.kv_cache import CacheStep, LayerKV, write
 from tfx.ops.positional import (
     RopeScaling,
@@ -135,9 +135,10 @@ class Attention(nnx.Module):
             raise ValueError("cache and cache_step must be given together")
         batch, q_len, _ = x.shape
         query = self.query(x).reshape(batch, q_len, self.num_heads, self.head_dim)
-        kv = context if isinstance(context, LayerKV) else self.keys_values(
-            x if context is None else context)
-        key, value = kv.key, kv.value
+        if isinstance(context, LayerKV):
+            key, value = context.key, context.value
+        else:
+            key, value = self._project(x if context is None else context)
         if cache_step is not None:
             if context is not None or self.position_proj is not None:
                 raise ValueError("a KV cache serves causal self-attention without Transformer-XL "
@@ -155,6 +156,7 @@ class Attention(nnx.Module):
             query = apply_rope(query, positions, **rope)
             if not isinstance(context, LayerKV):
                 key = apply_rope(key, key_positions, **rope)
+        cached = isinstance(context, LayerKV) or cache is not None  # heads-major keys/values
         if cache is not None:
             key, value, cache = write(cache, key, value, cache_step)
             key_positions = cache_step.key_positions
@@ -165,21 +167,28 @@ class Attention(nnx.Module):
         if self.position_proj is not None:
             query, relative = self._relative(query, key.shape[1])
             bias = relative if bias is None else bias + relative
-        out = dot_product_attention(
-            query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=self.scale,
-            sparsity=sparsity, query_segment_ids=query_segment_ids,
-            key_segment_ids=key_segment_ids, implementation=self.implementation,
-            block_sizes=self.block_sizes,
-        )
+        if cached:
+            out = cached_attention(query, key, value, bias=bias, mask=mask, scale=self.scale)
+        else:
+            out = dot_product_attention(
+                query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=self.scale,
+                sparsity=sparsity, query_segment_ids=query_segment_ids,
+                key_segment_ids=key_segment_ids, implementation=self.implementation,
+                block_sizes=self.block_sizes,
+            )
         out = self.out(out.reshape(batch, q_len, self.num_heads * self.head_dim))
         return out if cache is None else (out, cache)
 
     def keys_values(self, context: jax.Array) -> LayerKV:
-        """[batch, kv_len, kv_features] -> keys and values [batch, kv_len, num_kv_heads,
-        head_dim] (before RoPE), e.g. to cache a cross-attention's once per encoder output."""
-        batch, kv_len, _ = context.shape
-        return LayerKV(*(proj(context).reshape(batch, kv_len, self.num_kv_heads, self.head_dim)
-                         for proj in (self.key, self.value)))
+        """[batch, kv_len, kv_features] -> keys and values [batch, num_kv_heads, kv_len,
+        head_dim] (heads-major, as caches hold them), to cache a cross-attention's once per
+        encoder output."""
+        return LayerKV(*(jnp.swapaxes(x, 1, 2) for x in self._project(context)))
+
+    def _project(self, source: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """[batch, kv_len, features] -> keys and values [batch, kv_len, num_kv_heads, head_dim]."""
+        shape = (*source.shape[:2], self.num_kv_heads, self.head_dim)
+        return self.key(source).reshape(shape), self.value(source).reshape(shape)
 
     def _relative(self, query: jax.Array, kv_len: int) -> tuple[jax.Array, jax.Array]:
         """Transformer-XL: the query with the content bias u added, and the position term as a

@@ -19,7 +19,7 @@ from tfx.ops.blocked_attention import ScoreInputs, blocked_attention
 from tfx.ops.masks import combine_masks, segment_mask
 from tfx.ops.sparse import Causal, SparsitySpec
 
-__all__ = ["IMPLEMENTATIONS", "dot_product_attention"]
+__all__ = ["IMPLEMENTATIONS", "cached_attention", "dot_product_attention"]
 
 IMPLEMENTATIONS = ("reference", "blocked")
 # Tile sizes of the blocked kernel, and the score-matrix size from which implementation=None
@@ -106,6 +106,44 @@ def dot_product_attention(
     return _reference_attention(query, key, value, bias, mask, scale)
 
 
+@functools.partial(jax.jit, static_argnames=("scale",))
+def cached_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
+                     bias: jax.Array | None = None, mask: jax.Array | None = None,
+                     scale: float | None = None) -> jax.Array:
+    """Attention of a few new queries over a KV cache stored heads-major (`tfx.ops.kv_cache`).
+
+    The same maths as `dot_product_attention(implementation="reference")`; only the key/value
+    layout differs. Heads-major lets XLA contract every head without first transposing the whole
+    cache, which on CPU made decoding attention ~2.5x slower in the [batch, kv_len, heads, dim]
+    layout (measured: GPT-2 width 384, batch 8, 192 cached tokens).
+
+    Args:
+      query: [batch, q_len, num_heads, head_dim].
+      key: [batch, num_kv_heads, kv_len, head_dim]; value: [batch, num_kv_heads, kv_len, value_dim].
+      bias, mask, scale: as in `dot_product_attention`.
+    Returns:
+      [batch, q_len, num_heads, value_dim] in the dtype of value.
+    """
+    _checks.floating("query", query, ndim=4, layout="[batch, q_len, num_heads, head_dim]")
+    _checks.floating("key", key, ndim=4, layout="[batch, num_kv_heads, kv_len, head_dim]")
+    _checks.floating("value", value, ndim=4, layout="[batch, num_kv_heads, kv_len, value_dim]")
+    batch, q_len, num_heads, head_dim = query.shape
+    if key.shape[0] != batch or key.shape[3] != head_dim or value.shape[:3] != key.shape[:3] \
+            or num_heads % key.shape[1]:
+        raise ValueError(f"key {key.shape} and value {value.shape} must be [batch={batch}, "
+                         f"num_kv_heads dividing {num_heads}, kv_len, head_dim={head_dim}]")
+    scores_shape = (batch, num_heads, q_len, key.shape[2])
+    axes = "[batch, num_heads, q_len, kv_len]"
+    if bias is not None:
+        _checks.broadcastable("bias", bias.shape, scores_shape, axes)
+    if mask is not None:
+        _checks.boolean("mask", mask, max_ndim=4)
+        _checks.broadcastable("mask", mask.shape, scores_shape, axes)
+    if scale is None:
+        scale = 1.0 / float(np.sqrt(head_dim))
+    return _reference_attention(query, key, value, bias, mask, scale, kv_layout="bksd")
+
+
 def _resolve_implementation(implementation: str | None, q_len: int, kv_len: int) -> str:
     if implementation is None:
         return "blocked" if q_len * kv_len >= BLOCKED_MIN_SCORES else "reference"
@@ -176,12 +214,12 @@ def _grouped(x: jax.Array, num_kv_heads: int) -> jax.Array:
     return x.reshape(b, num_kv_heads, h // num_kv_heads, t, s)
 
 
-def _reference_attention(query, key, value, bias, mask, scale):
+def _reference_attention(query, key, value, bias, mask, scale, kv_layout="bskd"):
     batch, q_len, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[2]
+    num_kv_heads = key.shape[kv_layout.index("k")]
     grouped_query = query.reshape(batch, q_len, num_kv_heads, num_heads // num_kv_heads, head_dim)
     logits = jnp.einsum(
-        "btkgd,bskd->bkgts", grouped_query, key, preferred_element_type=jnp.float32
+        f"btkgd,{kv_layout}->bkgts", grouped_query, key, preferred_element_type=jnp.float32
     )
     logits = logits * jnp.float32(scale)
     if bias is not None:
@@ -196,7 +234,7 @@ def _reference_attention(query, key, value, bias, mask, scale):
         weights = jnp.where(mask, weights, 0.0)
     total = jnp.sum(weights, axis=-1, keepdims=True)
     probs = weights / jnp.where(total == 0.0, 1.0, total)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(value.dtype), value)
+    out = jnp.einsum(f"bkgts,{kv_layout}->btkgd", probs.astype(value.dtype), value)
     return out.reshape(batch, q_len, num_heads, value.shape[-1])
 
 

@@ -4,8 +4,10 @@ Why keys and values and not queries: a new token's query is used once, by that t
 later token attends to its key and value. Caching them turns each decoding step from
 O(seq * d_model^2) projections for the whole prefix into O(d_model^2) for one token.
 
-Layout. Each layer holds `LayerKV` arrays [batch, cache_len, num_kv_heads, head_dim] (GQA/MQA
-store only their KV heads). Shared by the layers, `KVCache.positions` [batch, cache_len] records
+Layout. Each layer holds `LayerKV` arrays [batch, num_kv_heads, cache_len, head_dim] (GQA/MQA
+store only their KV heads). Heads-major rather than the [batch, seq, heads, dim] of activations:
+attention then contracts each head's keys in place instead of transposing the whole cache at
+every step (see `tfx.ops.attention.cached_attention`). Shared by the layers, `KVCache.positions` [batch, cache_len] records
 the true position of the token in each slot (-1: empty), and `next_position` [batch] where each
 sequence goes on. A token at true position p lives in slot p, or p % window for a sliding-window
 ring buffer, so prompts of different lengths (left- or right-padded) decode side by side and
@@ -42,7 +44,7 @@ def _pytree(*, meta=()):
 
 @_pytree()
 class LayerKV:
-    """One attention layer's keys and values, each [batch, cache_len, num_kv_heads, head_dim]
+    """One attention layer's keys and values, each [batch, num_kv_heads, cache_len, head_dim]
     (with a leading [num_layers] axis when a model stacks its layers)."""
 
     key: jax.Array
@@ -147,23 +149,25 @@ def write(layer: LayerKV, key: jax.Array, value: jax.Array,
     """Store one layer's new keys and values and return what the layer attends to.
 
     Args:
-      layer: the layer's cache, [batch, cache_len, num_kv_heads, head_dim] each.
+      layer: the layer's cache, [batch, num_kv_heads, cache_len, head_dim] each.
       key, value: [batch, q_len, num_kv_heads, head_dim], already rotated (RoPE) at their
         positions.
       step: from `KVCache.plan`.
     Returns:
-      keys and values to attend, [batch, kv_len, num_kv_heads, head_dim] (kv_len as in `step`),
-      and the updated layer cache.
+      keys and values to attend, heads-major [batch, num_kv_heads, kv_len, head_dim] (kv_len as
+      in `step`), and the updated layer cache.
     """
     rows = jnp.arange(key.shape[0])[:, None]
 
-    def put(cached, new):
-        return cached.at[rows, step.slots].set(new.astype(cached.dtype), mode="drop")
+    def put(cached, new):  # new [batch, q_len, heads, dim] lands at [rows, :, slots]
+        return cached.at[rows, :, step.slots].set(new.astype(cached.dtype), mode="drop")
 
     updated = LayerKV(put(layer.key, key), put(layer.value, value))
     if step.append:
-        return (jnp.concatenate([layer.key, key.astype(layer.key.dtype)], axis=1),
-                jnp.concatenate([layer.value, value.astype(layer.value.dtype)], axis=1), updated)
+        def chunk(cached, new):
+            return jnp.concatenate([cached, jnp.swapaxes(new, 1, 2).astype(cached.dtype)], axis=2)
+
+        return chunk(layer.key, key), chunk(layer.value, value), updated
     return updated.key, updated.value, updated
 
 
@@ -183,7 +187,7 @@ def init_cache(*, num_layers: int, batch: int, max_len: int, num_kv_heads: int, 
       window: the model's sliding window (keys q - window < k <= q), or None.
       stacked: one LayerKV with a leading [num_layers] axis (scanned layers) instead of a tuple.
     Returns:
-      KVCache with layers [batch, cache_len, num_kv_heads, head_dim], cache_len = max_len or
+      KVCache with layers [batch, num_kv_heads, cache_len, head_dim], cache_len = max_len or
       window.
     """
     for name, number in (("num_layers", num_layers), ("batch", batch), ("max_len", max_len),
@@ -193,7 +197,7 @@ def init_cache(*, num_layers: int, batch: int, max_len: int, num_kv_heads: int, 
         _checks.positive_int("window", window)
     ring = window is not None and window < max_len
     cache_len = window if ring else max_len
-    shape = (batch, cache_len, num_kv_heads, head_dim)
+    shape = (batch, num_kv_heads, cache_len, head_dim)
     if stacked:
         layers = LayerKV(*(jnp.zeros((num_layers, *shape), dtype) for _ in range(2)))
     else:
@@ -208,7 +212,7 @@ class Seq2SeqCache:
     """An encoder–decoder's decoding state: the decoder's self-attention KVCache, every layer's
     cross-attention keys/values of the encoder output (computed once), and the encoder mask.
 
-    cross: tuple of LayerKV [batch, src_len, num_kv_heads, head_dim], or one stacked LayerKV.
+    cross: tuple of LayerKV [batch, num_kv_heads, src_len, head_dim], or one stacked LayerKV.
     context_mask: bool [batch, 1, 1, src_len], or None when the source has no padding.
     """
 
