@@ -92,14 +92,13 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
     padded_ids = np.pad(ids, ((0, 0), (0, pad)))
     padded_mask = np.pad(mask, ((0, 0), (0, pad)))
     graphdef, state = nnx.split(model)
-    tokens = _generate(graphdef, state, jnp.asarray(padded_ids, jnp.int32),
+    tokens = _generate(graphdef, state, jax.device_put(padded_ids.astype(np.int32)),
                        jnp.asarray(padded_mask), rng, filters, jnp.asarray(eos or [-1], jnp.int32),
                        jnp.int32(pad_token_id), max_new_tokens=max_new_tokens,
                        cache_len=min(padded_len + max_new_tokens, config.max_len))
-    if seq2seq:
-        start = jnp.full((ids.shape[0], 1), config.decoder_start_token_id, jnp.int32)
-        return jnp.concatenate([start, tokens], axis=1)
-    return jnp.concatenate([jnp.asarray(ids, jnp.int32), tokens], axis=1)
+    # Assembled on the host: a device concatenate would compile once per prompt length.
+    first = np.full((ids.shape[0], 1), config.decoder_start_token_id) if seq2seq else ids
+    return jax.device_put(np.concatenate([first, np.asarray(tokens)], axis=1).astype(np.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len"))

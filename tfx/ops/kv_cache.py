@@ -7,12 +7,13 @@ O(seq * d_model^2) projections for the whole prefix into O(d_model^2) for one to
 Layout. Each layer holds `LayerKV` arrays [batch, num_kv_heads, cache_len, head_dim] (GQA/MQA
 store only their KV heads). Heads-major rather than the [batch, seq, heads, dim] of activations:
 attention then contracts each head's keys in place instead of transposing the whole cache at
-every step (see `tfx.ops.attention.cached_attention`). Shared by the layers, `KVCache.positions` [batch, cache_len] records
-the true position of the token in each slot (-1: empty), and `next_position` [batch] where each
-sequence goes on. A token at true position p lives in slot p, or p % window for a sliding-window
-ring buffer, so prompts of different lengths (left- or right-padded) decode side by side and
-padding never occupies a slot. Visibility is computed from positions (valid, causal, within the
-window), which makes the ring buffer exact however far decoding runs past the window.
+every step (see `tfx.ops.attention.cached_attention`). Shared by the layers,
+`KVCache.positions` [batch, cache_len] records the true position of the token in each slot
+(-1: empty), and `next_position` [batch] where each sequence goes on. A token at true position
+p lives in slot p, or p % window for a sliding-window ring buffer, so prompts of different
+lengths (left- or right-padded) decode side by side and padding never occupies a slot.
+Visibility is computed from positions (valid, causal, within the window), which makes the ring
+buffer exact however far decoding runs past the window.
 
 One call of a model with a cache is planned once (`KVCache.plan`, shared by every layer) and then
 each layer writes and reads its own keys and values (`write`).
