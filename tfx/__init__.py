@@ -1,7 +1,7 @@
 """tfx: transformer building blocks and models for JAX and Flax NNX."""
 
-from tfx.generation import generate
+from tfx.generation import beam_search, generate
 
 __version__ = "0.1.0"
 
-__all__ = ["generate"]
+__all__ = ["beam_search", "generate"]

@@ -168,3 +168,19 @@ def test_bad_model_and_prompt():
     with pytest.raises(ValueError, match="input_ids"):
         tfx.generate(Decoder(config, rngs=nnx.Rngs(0)), np.zeros(4, int), max_new_tokens=1,
                      temperature=0.0)
+
+
+@pytest.mark.parametrize("position", ["xl", "learned"])
+def test_scanned_layers_and_transformer_xl_memory(position):
+    """Stacked (nnx.scan) layers run inside the decoding loop; Transformer-XL decodes from its
+    segment memory, with right-padded prompts too (generate left-aligns them)."""
+    config = DecoderConfig(vocab_size=VOCAB, d_model=32, num_layers=2, num_heads=4, d_ff=64,
+                           max_len=64, position=position, scan_layers=True)
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    prompts = _prompts(batch=2)
+    mask = np.ones_like(prompts)
+    mask[1, 6:] = 0
+    out = tfx.generate(model, prompts, max_new_tokens=6, temperature=0.0, attention_mask=mask)
+    np.testing.assert_array_equal(out[0], _greedy_by_recomputation(model, prompts[:1], 6)[0])
+    np.testing.assert_array_equal(out[1, 9:],
+                                  _greedy_by_recomputation(model, prompts[1:, :6], 6)[0, 6:])

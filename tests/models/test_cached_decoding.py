@@ -16,8 +16,8 @@ POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "t5", "none")
 
 
 def _decoder(**overrides):
-    config = DecoderConfig(vocab_size=40, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                           d_ff=48, max_len=32, **overrides)
+    config = DecoderConfig(**(dict(vocab_size=40, d_model=32, num_layers=2, num_heads=4,
+                                   num_kv_heads=2, d_ff=48, max_len=32) | overrides))
     return Decoder(config, rngs=nnx.Rngs(0))
 
 
@@ -86,8 +86,6 @@ def test_cache_rejects_positions_and_xl():
         model(_ids(), position_ids=jnp.arange(SEQ), cache=cache)
     with pytest.raises(ValueError, match="learned position table"):
         _decoder(position="learned").init_cache(2, 33)
-    with pytest.raises(ValueError, match="segment memory"):
-        _decoder(position="xl").init_cache(2, 16)
 
 
 @pytest.mark.parametrize(("position", "scan"), [("t5", False), ("learned", True)])
@@ -108,3 +106,36 @@ def test_encoder_decoder_cached_decoding(position, scan):
     chex.assert_trees_all_close(jnp.concatenate(outs, axis=1), full, atol=2e-5)
     with pytest.raises(ValueError, match="come from the cache"):
         model.decode(target, encoded, cache=cache)
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_transformer_xl_memory_covering_the_sequence_equals_full(scan):
+    """With memory for every earlier token, segment recurrence is plain causal attention."""
+    model = _decoder(position="xl", scan_layers=scan, num_kv_heads=None)
+    ids = _ids()
+    got, memory = _cached_logits(model, ids, max_len=SEQ)
+    chex.assert_trees_all_close(got, nnx.jit(lambda m, x: m(x))(model, ids), atol=2e-5)
+    hidden = memory.hidden if scan else memory.hidden[0]
+    assert hidden.shape[-2:] == (SEQ, 32) and bool(memory.valid.all())
+
+
+def test_transformer_xl_memory_is_truncated_and_carries_no_gradient():
+    model = _decoder(position="xl", num_kv_heads=None)
+    ids = _ids(seq=8)
+    memory = model.init_cache(2, 3)
+    _, memory = model(ids[:, :4], cache=memory)
+    chex.assert_shape(memory.hidden[0], (2, 3, 32))  # only the last mem_len tokens stay
+    graphdef, params = nnx.split(model)
+
+    def second_segment_loss(params):
+        model = nnx.merge(graphdef, params)
+        _, memory = model(ids[:, :4], cache=model.init_cache(2, 3))
+        return model(ids[:, 4:], cache=memory)[0].sum()
+
+    def with_constant_memory(params):
+        return nnx.merge(graphdef, params)(ids[:, 4:], cache=memory)[0].sum()
+
+    # Dai et al.: the memory is SG(h): the second segment's loss does not reach back into the
+    # first segment's computation.
+    chex.assert_trees_all_close(jax.grad(second_segment_loss)(params),
+                                jax.grad(with_constant_memory)(params), atol=1e-5)

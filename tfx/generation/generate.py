@@ -52,8 +52,8 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
       attention_mask: [batch, prompt_len], 1 for real tokens and 0 for padding (left or right).
       eos_token_id: token id(s) that end a sequence; after it a sequence emits `pad_token_id`.
       pad_token_id: filler after EOS (default: the first eos_token_id, else 0).
-      bucket: pad the prompt (on the right, masked) to a power-of-two length so that nearby
-        prompt lengths share one compiled program.
+      bucket: pad the prompt (masked) to a power-of-two length so that nearby prompt lengths
+        share one compiled program.
     Returns:
       int32 [batch, prompt_len + max_new_tokens] for decoders (prompt, then new tokens), or
       [batch, 1 + max_new_tokens] for encoder–decoders (decoder start token, then new tokens).
@@ -87,10 +87,13 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
                          f"({max_new_tokens}) exceeds the model's max_len ({config.max_len})")
     padded_len = bucket_length(prompt_len, cap) if bucket else prompt_len
     pad = padded_len - prompt_len
-    # Bucket padding goes on the right, masked: decoders place tokens by their mask, and an
-    # encoder with absolute positions sees its real tokens where they were.
+    # An encoder's source keeps its layout (absolute positions see real tokens where they were),
+    # padded on the right; a decoder's prompt is left-aligned, which places tokens exactly as
+    # given (positions follow the mask) and keeps Transformer-XL memories contiguous.
     padded_ids = np.pad(ids, ((0, 0), (0, pad)))
     padded_mask = np.pad(mask, ((0, 0), (0, pad)))
+    if not seq2seq:
+        padded_ids, padded_mask = _left_aligned(padded_ids, padded_mask)
     graphdef, state = nnx.split(model)
     tokens = _generate(graphdef, state, jax.device_put(padded_ids.astype(np.int32)),
                        jnp.asarray(padded_mask), rng, filters, jnp.asarray(eos or [-1], jnp.int32),
@@ -111,22 +114,12 @@ def _generate(graphdef, state, ids, mask, rng, filters, eos, pad_token_id, *,
     if isinstance(model, EncoderDecoder):
         encoded = model.encode(ids, attention_mask=mask)
         cache = model.init_cache(encoded, max_new_tokens + 1, attention_mask=mask)
-        start = jnp.full((batch, 1), model.config.decoder_start_token_id, jnp.int32)
-        logits, cache = model.decode(start, cache=cache)
-        logits = logits[:, -1]
-
-        def step(token, cache):
-            logits, cache = model.decode(token[:, None], cache=cache)
-            return logits[:, -1], cache
-    else:
+        start = jnp.full((batch,), model.config.decoder_start_token_id, jnp.int32)
+        logits, cache = _step(model, start, cache)
+    else:  # prompts arrive left-aligned: every row's last real token is the last column
         cache = model.init_cache(batch, cache_len)
         hidden, cache = model.hidden_states(ids, attention_mask=mask, cache=cache)
-        last = ids.shape[1] - 1 - jnp.argmax(mask[:, ::-1], axis=1)  # last real token per row
-        logits = model.logits(hidden[jnp.arange(batch), last][:, None])[:, 0]
-
-        def step(token, cache):
-            logits, cache = model(token[:, None], cache=cache)
-            return logits[:, -1], cache
+        logits = model.logits(hidden[:, -1:])[:, 0]
 
     def choose(logits, i, done):
         key = None if rng is None else jax.random.fold_in(rng, i)
@@ -138,17 +131,34 @@ def _generate(graphdef, state, ids, mask, rng, filters, eos, pad_token_id, *,
     tokens = jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32).at[:, 0].set(token)
 
     def unfinished(carry):
-        i, _, _, _, done = carry
+        i, *_, done = carry
         return (i < max_new_tokens) & ~jnp.all(done)
 
     def advance(carry):
-        i, token, cache, tokens, done = carry
-        logits, cache = step(token, cache)
+        i, weights, token, cache, tokens, done = carry
+        logits, cache = _step(nnx.merge(graphdef, weights), token, cache)
         token, done = choose(logits, i, done)
-        return i + 1, token, cache, tokens.at[:, i].set(token), done
+        return i + 1, weights, token, cache, tokens.at[:, i].set(token), done
 
-    carry = jax.lax.while_loop(unfinished, advance, (jnp.int32(1), token, cache, tokens, done))
-    return carry[3]
+    # The weights ride in the loop carry (unchanged) rather than being closed over: NNX modules
+    # refuse values from an outer trace under a nested one (nnx.scan of stacked layers).
+    carry = (jnp.int32(1), state, token, cache, tokens, done)
+    return jax.lax.while_loop(unfinished, advance, carry)[4]
+
+
+def _step(model, token, cache):
+    """One token per sequence through the cache: int [batch] -> logits [batch, vocab]."""
+    if isinstance(model, EncoderDecoder):
+        logits, cache = model.decode(token[:, None], cache=cache)
+    else:
+        logits, cache = model(token[:, None], cache=cache)
+    return logits[:, -1], cache
+
+
+def _left_aligned(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Move each row's padding to the front, keeping the order of its real tokens."""
+    order = np.argsort(mask, axis=1, kind="stable")
+    return np.take_along_axis(ids, order, axis=1), np.take_along_axis(mask, order, axis=1)
 
 
 def _check_mask(attention_mask, shape) -> np.ndarray:

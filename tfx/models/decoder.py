@@ -11,7 +11,7 @@ from flax import nnx
 from tfx.models.block import dtypes
 from tfx.models.config import DecoderConfig
 from tfx.models.stack import Embeddings, Stack
-from tfx.ops.kv_cache import KVCache, init_cache
+from tfx.ops.kv_cache import KVCache, SegmentMemory, init_cache, init_memory
 from tfx.ops.masks import padding_mask
 
 __all__ = ["Decoder"]
@@ -34,7 +34,7 @@ class Decoder(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None,
                  position_ids: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                 cache: KVCache | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+                 cache: KVCache | SegmentMemory | None = None):
         """Next-token logits.
 
         Args:
@@ -42,8 +42,9 @@ class Decoder(nnx.Module):
           attention_mask: optional [batch, seq], 1/True for real tokens, 0/False for padding.
           position_ids: optional int [batch, seq] (default 0 .. seq - 1).
           segment_ids: optional int [batch, seq] for packed sequences.
-          cache: a KVCache from `init_cache`: the tokens continue each sequence at its own next
-            position (padding, marked by attention_mask, takes no position).
+          cache: from `init_cache`: a KVCache (the tokens continue each sequence at its own next
+            position; padding, marked by attention_mask, takes no position), or for
+            position="xl" a SegmentMemory (the tokens follow the memory; pad on the left).
         Returns:
           float32 [batch, seq, vocab_size]; with a cache, also the updated cache.
         """
@@ -56,7 +57,7 @@ class Decoder(nnx.Module):
         return self.logits(hidden), cache
 
     def hidden_states(self, input_ids, *, attention_mask=None, position_ids=None,
-                      segment_ids=None, cache: KVCache | None = None):
+                      segment_ids=None, cache: KVCache | SegmentMemory | None = None):
         """[batch, seq] -> the final-normalised hidden states [batch, seq, d_model] (and the
         updated cache when one is given)."""
         _check_ids(input_ids)
@@ -66,6 +67,12 @@ class Decoder(nnx.Module):
                                  "segment_ids must be None")
             valid = (jnp.ones(input_ids.shape, bool) if attention_mask is None
                      else attention_mask.astype(bool))
+            if isinstance(cache, SegmentMemory):
+                mask, memory_valid = cache.mask(valid)
+                positions = jnp.arange(input_ids.shape[1])  # unused: XL has only distances
+                x, hidden = self.stack(self.embeddings(input_ids, positions),
+                                       positions=positions, mask=mask, cache=cache.hidden)
+                return x, SegmentMemory(hidden=hidden, valid=memory_valid)
             step, cache = cache.plan(valid)
             x = self.embeddings(input_ids, jnp.maximum(step.query_positions, 0))
             x, layers = self.stack(x, positions=step.query_positions, cache=cache.layers,
@@ -76,19 +83,21 @@ class Decoder(nnx.Module):
         x = self.embeddings(input_ids, positions)
         return self.stack(x, positions=positions, mask=mask, segment_ids=segment_ids)
 
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache | SegmentMemory:
         """An empty KV cache for `batch` sequences of up to `max_len` tokens in all (a ring
-        buffer of the sliding window when the config has one shorter than max_len).
+        buffer of the sliding window when the config has one shorter than max_len); for
+        position="xl", a Transformer-XL memory of the last `max_len` tokens.
 
-        dtype: of the cached keys and values (default: the compute dtype, float32 if unset).
+        dtype: of the cache (default: the compute dtype, float32 if unset).
         """
         c = self.config
-        if c.position == "xl":
-            raise ValueError("position='xl' decodes with segment memory, not a KV cache")
         if c.position == "learned" and max_len > c.max_len:
             raise ValueError(f"max_len ({max_len}) exceeds the learned position table "
                              f"(config.max_len = {c.max_len})")
         dtype = jnp.dtype(dtype or c.dtype or jnp.float32)
+        if c.position == "xl":
+            return init_memory(num_layers=c.num_layers, batch=batch, mem_len=max_len,
+                               d_model=c.d_model, dtype=dtype, stacked=c.scan_layers)
         return init_cache(num_layers=c.num_layers, batch=batch, max_len=max_len,
                           num_kv_heads=c.kv_heads, head_dim=c.head_dim or c.d_model // c.num_heads,
                           dtype=dtype, window=c.sliding_window, stacked=c.scan_layers)

@@ -98,7 +98,7 @@ class Stack(nnx.Module):
                  segment_ids: jax.Array | None = None,
                  context: jax.Array | LayerKV | tuple[LayerKV, ...] | None = None,
                  context_mask: jax.Array | None = None,
-                 cache: LayerKV | tuple[LayerKV, ...] | None = None,
+                 cache: LayerKV | tuple | jax.Array | None = None,
                  cache_step: CacheStep | None = None):
         """[batch, seq, d_model] -> [batch, seq, d_model] (and the updated layer caches).
 
@@ -111,7 +111,9 @@ class Stack(nnx.Module):
           context, context_mask: encoder output (or per-layer cross keys/values from
             `cross_keys_values`) and its mask for cross-attention.
           cache, cache_step: per-layer self-attention caches (`KVCache.layers`) and the call's
-            `CacheStep`; visibility then comes from the cache's positions.
+            `CacheStep`; visibility then comes from the cache's positions. Or per-layer
+            Transformer-XL memories (`SegmentMemory.hidden`) alone, with `mask` from
+            `SegmentMemory.mask`.
         Returns:
           hidden states, or (hidden states, updated cache layers) when a cache is given.
         """
@@ -119,6 +121,8 @@ class Stack(nnx.Module):
         if cache_step is not None:
             positions, key_positions, is_causal = (cache_step.query_positions,
                                                    cache_step.key_positions, False)
+        elif cache is not None:  # Transformer-XL memory: `mask` covers [memory | segment]
+            is_causal = False
         elif self.causal and self.sliding_window is not None:
             # A sliding window is itself causal (Mistral); otherwise plainly causal.
             sparsity, is_causal = SlidingWindow(self.sliding_window), False

@@ -110,8 +110,8 @@ class Attention(nnx.Module):
                  key_segment_ids: jax.Array | None = None,
                  positions: jax.Array | None = None,
                  key_positions: jax.Array | None = None,
-                 cache: LayerKV | None = None,
-                 cache_step: CacheStep | None = None) -> jax.Array | tuple[jax.Array, LayerKV]:
+                 cache: LayerKV | jax.Array | None = None,
+                 cache_step: CacheStep | None = None):
         """Attend from `x` to `context` (or to `x` itself).
 
         Args:
@@ -125,18 +125,28 @@ class Attention(nnx.Module):
           mask, bias, is_causal, sparsity, query_segment_ids, key_segment_ids: as in
             `tfx.ops.dot_product_attention` (masks broadcast to [batch, heads, q_len, kv_len]).
           cache, cache_step: self-attention decoding: this layer's `LayerKV` and the call's
-            `CacheStep` (`tfx.ops.kv_cache`), which supplies positions and the mask.
+            `CacheStep` (`tfx.ops.kv_cache`), which supplies positions and the mask. Or, for
+            Transformer-XL, `cache` alone: the segment memory [batch, mem_len, d_model] of
+            earlier attention inputs, prepended to the keys and values (the mask then covers
+            [memory | x]).
         Returns:
-          [batch, q_len, d_model]; with a cache, also the updated LayerKV.
+          [batch, q_len, d_model]; with a cache, also the updated cache (LayerKV, or the memory
+          shifted by q_len, without gradient).
         """
         if x.ndim != 3:
             raise ValueError(f"x must have 3 dims [batch, q_len, d_model], got shape {x.shape}")
-        if (cache is None) != (cache_step is None):
-            raise ValueError("cache and cache_step must be given together")
+        if isinstance(cache, LayerKV) != (cache_step is not None):
+            raise ValueError("a LayerKV cache and cache_step must be given together")
         batch, q_len, _ = x.shape
         query = self.query(x).reshape(batch, q_len, self.num_heads, self.head_dim)
         if isinstance(context, LayerKV):
             key, value = context.key, context.value
+        elif cache is not None and cache_step is None:  # Transformer-XL segment memory
+            if self.position_proj is None:
+                raise ValueError("segment memory serves Transformer-XL attention (relative=True)")
+            source = jnp.concatenate([cache.astype(x.dtype), x], axis=1)
+            key, value = self._project(source)
+            cache = jax.lax.stop_gradient(source[:, q_len:])
         else:
             key, value = self._project(x if context is None else context)
         if cache_step is not None:
@@ -156,8 +166,8 @@ class Attention(nnx.Module):
             query = apply_rope(query, positions, **rope)
             if not isinstance(context, LayerKV):
                 key = apply_rope(key, key_positions, **rope)
-        cached = isinstance(context, LayerKV) or cache is not None  # heads-major keys/values
-        if cache is not None:
+        cached = isinstance(context, LayerKV) or cache_step is not None  # heads-major keys/values
+        if cache_step is not None:
             key, value, cache = write(cache, key, value, cache_step)
             key_positions = cache_step.key_positions
         if self.alibi:

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 
 from tfx.ops import _checks
 
-__all__ = ["CacheStep", "KVCache", "LayerKV", "Seq2SeqCache", "init_cache", "write"]
+__all__ = ["CacheStep", "KVCache", "LayerKV", "Seq2SeqCache", "SegmentMemory", "init_cache",
+           "init_memory", "write"]
 
 
 def _pytree(*, meta=()):
@@ -232,3 +233,50 @@ class Seq2SeqCache:
         cross = jax.tree.map(lambda x: jnp.take(x, rows, axis=1 if stacked else 0), self.cross)
         mask = None if self.context_mask is None else self.context_mask[rows]
         return Seq2SeqCache(decoder=self.decoder.take(rows), cross=cross, context_mask=mask)
+
+
+@_pytree()
+class SegmentMemory:
+    """Transformer-XL's recurrence (Dai et al. 2019): every layer's attention inputs for the last
+    mem_len tokens, prepended to the next segment's keys and values without gradient.
+
+    Relative attention needs only distances, and the memory holds consecutive tokens, so no
+    positions are stored; padding must therefore come first (left-padded prompts).
+
+    hidden: tuple of [batch, mem_len, d_model], one per layer, or one stacked array.
+    valid: bool [batch, mem_len], False for empty slots and padding.
+    """
+
+    hidden: tuple[jax.Array, ...] | jax.Array
+    valid: jax.Array
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.nbytes for h in jax.tree.leaves(self.hidden))
+
+    def mask(self, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Visibility for a segment of q_len new tokens, and the memory's next validity.
+
+        Args:
+          valid: bool [batch, q_len], False for padding.
+        Returns:
+          bool [batch, 1, q_len, mem_len + q_len] (key j visible to query i when it is valid and
+          j <= mem_len + i), and bool [batch, mem_len].
+        """
+        mem_len, q_len = self.valid.shape[1], valid.shape[1]
+        keys_valid = jnp.concatenate([self.valid, valid], axis=1)
+        causal = jnp.arange(mem_len + q_len)[None, :] <= mem_len + jnp.arange(q_len)[:, None]
+        return causal[None, None] & keys_valid[:, None, None, :], keys_valid[:, q_len:]
+
+
+def init_memory(*, num_layers: int, batch: int, mem_len: int, d_model: int,
+                dtype=jnp.float32, stacked: bool = False) -> SegmentMemory:
+    """An empty Transformer-XL memory of `mem_len` tokens per layer ([batch, mem_len, d_model]
+    each, with a leading [num_layers] axis when `stacked`)."""
+    for name, number in (("num_layers", num_layers), ("batch", batch), ("mem_len", mem_len),
+                         ("d_model", d_model)):
+        _checks.positive_int(name, number)
+    shape = (batch, mem_len, d_model)
+    hidden = (jnp.zeros((num_layers, *shape), dtype) if stacked
+              else tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
+    return SegmentMemory(hidden=hidden, valid=jnp.zeros((batch, mem_len), bool))
