@@ -29,8 +29,16 @@ import jax.numpy as jnp
 
 from tfx.ops import _checks
 
-__all__ = ["CacheStep", "KVCache", "LayerKV", "Seq2SeqCache", "SegmentMemory", "init_cache",
-           "init_memory", "write"]
+__all__ = [
+    "CacheStep",
+    "KVCache",
+    "LayerKV",
+    "SegmentMemory",
+    "Seq2SeqCache",
+    "init_cache",
+    "init_memory",
+    "write",
+]
 
 
 def _pytree(*, meta=()):
