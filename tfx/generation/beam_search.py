@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tfx.generation.generate import _check_mask, _token_ids
+from tfx.generation._inputs import prompt_and_mask, token_ids
 from tfx.models.encoder_decoder import EncoderDecoder
 
 __all__ = ["beam_search"]
@@ -73,11 +73,7 @@ def beam_search(model: EncoderDecoder, input_ids, *, num_beams: int, max_new_tok
     if not isinstance(model, EncoderDecoder):
         raise TypeError(f"beam_search needs an encoder-decoder model (tfx EncoderDecoder), got "
                         f"{type(model).__name__}; decoder-only beam search is not implemented")
-    ids = np.asarray(input_ids)
-    if ids.ndim != 2 or ids.shape[1] < 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"input_ids must be int [batch, src_len >= 1], got {ids.dtype} "
-                         f"{ids.shape}")
-    mask = _check_mask(attention_mask, ids.shape)
+    ids, mask = prompt_and_mask(input_ids, attention_mask)
     for name, value in (("num_beams", num_beams), ("max_new_tokens", max_new_tokens),
                         ("num_return_sequences", num_return_sequences)):
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
@@ -90,10 +86,10 @@ def beam_search(model: EncoderDecoder, input_ids, *, num_beams: int, max_new_tok
     if not (isinstance(early_stopping, bool) or early_stopping == "never"):
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
     config = model.config
-    eos = _token_ids("eos_token_id", eos_token_id, config.vocab_size)
+    eos = token_ids("eos_token_id", eos_token_id, config.vocab_size)
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
-    _token_ids("pad_token_id", pad_token_id, config.vocab_size)
+    token_ids("pad_token_id", pad_token_id, config.vocab_size)
     candidates = max(2, 1 + len(eos)) * num_beams
     if candidates > config.vocab_size:
         raise ValueError(f"num_beams ({num_beams}) is too large for the vocabulary: each step "

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tfx.generation._inputs import prompt_and_mask, token_ids
 from tfx.models.decoder import Decoder
 from tfx.models.encoder_decoder import EncoderDecoder
 from tfx.ops.sampling import sample_logits
@@ -61,18 +62,14 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
     if not isinstance(model, Decoder | EncoderDecoder):
         raise TypeError(f"model must be a tfx Decoder or EncoderDecoder, got "
                         f"{type(model).__name__}")
-    ids = np.asarray(input_ids)
-    if ids.ndim != 2 or ids.shape[1] < 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"input_ids must be int [batch, prompt_len >= 1], got {ids.dtype} "
-                         f"{ids.shape}")
-    mask = _check_mask(attention_mask, ids.shape)
+    ids, mask = prompt_and_mask(input_ids, attention_mask)
     config = model.config
     seq2seq = isinstance(model, EncoderDecoder)
     filters = _check_sampling(max_new_tokens, temperature, top_k, top_p, rng)
-    eos = _token_ids("eos_token_id", eos_token_id, config.vocab_size)
+    eos = token_ids("eos_token_id", eos_token_id, config.vocab_size)
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
-    _token_ids("pad_token_id", pad_token_id, config.vocab_size)
+    token_ids("pad_token_id", pad_token_id, config.vocab_size)
     prompt_len = ids.shape[1]
     if seq2seq:
         needed, cap = 1 + max_new_tokens, config.max_len
@@ -161,19 +158,6 @@ def _left_aligned(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.nda
     return np.take_along_axis(ids, order, axis=1), np.take_along_axis(mask, order, axis=1)
 
 
-def _check_mask(attention_mask, shape) -> np.ndarray:
-    if attention_mask is None:
-        return np.ones(shape, bool)
-    mask = np.asarray(attention_mask)
-    if mask.shape != shape:
-        raise ValueError(f"attention_mask must have the shape of input_ids {shape}, got "
-                         f"{mask.shape}")
-    mask = mask.astype(bool)
-    if not mask.any(axis=1).all():
-        raise ValueError("attention_mask has a row without any real token")
-    return mask
-
-
 def _check_sampling(max_new_tokens, temperature, top_k, top_p, rng) -> dict:
     """Validate the sampling arguments; returns the filters as traced values (None = off)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) \
@@ -192,11 +176,3 @@ def _check_sampling(max_new_tokens, temperature, top_k, top_p, rng) -> dict:
     return {"temperature": jnp.float32(temperature),
             "top_k": None if top_k is None else jnp.int32(top_k),
             "top_p": None if top_p is None else jnp.float32(top_p)}
-
-
-def _token_ids(name: str, value, vocab_size: int) -> list[int]:
-    values = [] if value is None else [value] if np.isscalar(value) else list(value)
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int | np.integer) or not 0 <= v < vocab_size:
-            raise ValueError(f"{name} must be token ids in [0, {vocab_size}), got {value!r}")
-    return [int(v) for v in values]
