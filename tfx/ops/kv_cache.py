@@ -192,7 +192,9 @@ def init_cache(*, num_layers: int, batch: int, max_len: int, num_kv_heads: int, 
 
     Args:
       num_layers, batch, num_kv_heads, head_dim: positive ints.
-      max_len: the largest true position + 1 that will be decoded.
+      max_len: the largest true position + 1 that will be decoded. A linear cache cannot
+        grow inside jit: tokens at positions >= max_len are not stored (and so not attended),
+        which is why `tfx.generate` sizes the cache itself and checks lengths first.
       dtype: of the cached keys and values.
       window: the model's sliding window (keys q - window < k <= q), or None.
       stacked: one LayerKV with a leading [num_layers] axis (scanned layers) instead of a tuple.
