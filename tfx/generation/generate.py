@@ -112,11 +112,13 @@ def _generate(graphdef, state, ids, mask, rng, filters, eos, pad_token_id, *,
         encoded = model.encode(ids, attention_mask=mask)
         cache = model.init_cache(encoded, max_new_tokens + 1, attention_mask=mask)
         start = jnp.full((batch,), model.config.decoder_start_token_id, jnp.int32)
-        logits, cache = _step(model, start, cache)
+        head = None
+        logits, cache = _step(model, head, start, cache)
     else:  # prompts arrive left-aligned: every row's last real token is the last column
         cache = model.init_cache(batch, cache_len)
         hidden, cache = model.hidden_states(ids, attention_mask=mask, cache=cache)
-        logits = model.logits(hidden[:, -1:])[:, 0]
+        head = model.output_weights()  # laid out once, outside the loop
+        logits = model.logits(hidden[:, -1:], head)[:, 0]
 
     def choose(logits, i, done):
         key = None if rng is None else jax.random.fold_in(rng, i)
@@ -132,24 +134,25 @@ def _generate(graphdef, state, ids, mask, rng, filters, eos, pad_token_id, *,
         return (i < max_new_tokens) & ~jnp.all(done)
 
     def advance(carry):
-        i, weights, token, cache, tokens, done = carry
-        logits, cache = _step(nnx.merge(graphdef, weights), token, cache)
+        i, (weights, head), token, cache, tokens, done = carry
+        logits, cache = _step(nnx.merge(graphdef, weights), head, token, cache)
         token, done = choose(logits, i, done)
-        return i + 1, weights, token, cache, tokens.at[:, i].set(token), done
+        return i + 1, (weights, head), token, cache, tokens.at[:, i].set(token), done
 
     # The weights ride in the loop carry (unchanged) rather than being closed over: NNX modules
     # refuse values from an outer trace under a nested one (nnx.scan of stacked layers).
-    carry = (jnp.int32(1), state, token, cache, tokens, done)
+    carry = (jnp.int32(1), (state, head), token, cache, tokens, done)
     return jax.lax.while_loop(unfinished, advance, carry)[4]
 
 
-def _step(model, token, cache):
-    """One token per sequence through the cache: int [batch] -> logits [batch, vocab]."""
+def _step(model, head, token, cache):
+    """One token per sequence through the cache: int [batch] -> logits [batch, vocab].
+    head: a decoder's `output_weights()` (None for encoder–decoders)."""
     if isinstance(model, EncoderDecoder):
         logits, cache = model.decode(token[:, None], cache=cache)
-    else:
-        logits, cache = model(token[:, None], cache=cache)
-    return logits[:, -1], cache
+        return logits[:, -1], cache
+    hidden, cache = model.hidden_states(token[:, None], cache=cache)
+    return model.logits(hidden[:, -1], head), cache
 
 
 def _left_aligned(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

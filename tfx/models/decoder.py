@@ -102,10 +102,24 @@ class Decoder(nnx.Module):
                           num_kv_heads=c.kv_heads, head_dim=c.head_dim or c.d_model // c.num_heads,
                           dtype=dtype, window=c.sliding_window, stacked=c.scan_layers)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """[batch, seq, d_model] -> float32 [batch, seq, vocab_size]."""
+    def logits(self, hidden: jax.Array, output_weights: jax.Array | None = None) -> jax.Array:
+        """[batch, seq, d_model] -> float32 [batch, seq, vocab_size].
+
+        output_weights: `self.output_weights()` computed once by a caller that applies the head
+        many times (a decoding loop); None uses the head directly.
+        """
+        if output_weights is not None:
+            return (hidden @ output_weights.astype(hidden.dtype)).astype(jnp.float32)
         out = self.embeddings.tokens.attend(hidden) if self.head is None else self.head(hidden)
         return out.astype(jnp.float32)
+
+    def output_weights(self) -> jax.Array:
+        """The output head as one [d_model, vocab_size] matrix: the head's kernel, or the
+        embedding table transposed when tied. A decoding loop takes it once: on CPU, the tied
+        product with the [vocab_size, d_model] table re-lays the table out at every step."""
+        if self.head is None:
+            return self.embeddings.tokens.table[...].T
+        return self.head.kernel[...]
 
 
 def _check_ids(input_ids) -> None:
