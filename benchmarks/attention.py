@@ -27,7 +27,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from timing import markdown_table, median_seconds, peak_rss_growth_mib, run_child, write_json
+from timing import (
+    markdown_table,
+    median_seconds,
+    peak_rss_growth_mib,
+    publish,
+    run_child,
+    write_json,
+)
 
 from tfx.ops import dot_product_attention, sparse
 
@@ -278,11 +285,7 @@ def main() -> None:
             print(f"\n# {name}", flush=True)
             results[name] = measure(args)
             write_json(args.json, results)  # keep what is measured if a later section fails
-    report = render(results)
-    print("\n" + report)
-    write_json(args.json, results)
-    if args.markdown:
-        pathlib.Path(args.markdown).write_text(report)
+    publish(render(results), results, json_path=args.json, markdown_path=args.markdown)
 
 
 if __name__ == "__main__":

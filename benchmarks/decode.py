@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from timing import markdown_table, write_json
+from timing import markdown_table, publish
 
 import tfx
 import tfx.hf
@@ -374,11 +374,7 @@ def main() -> None:
     results["kv_cache_bytes"] = {r["attention"]: {k: v for k, v in r.items()
                                                   if k.startswith("batch_")}
                                  for r in results["kv_cache"]}
-    report = render(results)
-    print("\n" + report)
-    write_json(args.json, results)
-    if args.markdown:
-        pathlib.Path(args.markdown).write_text(report)
+    publish(render(results), results, json_path=args.json, markdown_path=args.markdown)
 
 
 if __name__ == "__main__":

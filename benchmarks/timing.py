@@ -67,3 +67,12 @@ def write_json(path: str | None, payload: dict) -> None:
         pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(path).write_text(json.dumps(payload, indent=2))
         print(f"\nwrote {path}")
+
+
+def publish(report: str, results: dict, *, json_path: str | None,
+            markdown_path: str | None) -> None:
+    """Print the markdown report and write the results JSON and the report where asked."""
+    print("\n" + report)
+    write_json(json_path, results)
+    if markdown_path:
+        pathlib.Path(markdown_path).write_text(report)
