@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tfx.ops.sampling import filter_logits, sample_logits
@@ -32,8 +32,9 @@ def naive_top_p(logits, p):
     return out
 
 
+# Distinct multiples of 0.01: no ties and no denormals (which XLA flushes to zero, making ties).
 finite_logits = hnp.arrays(np.float32, st.tuples(st.integers(1, 3), st.integers(2, 40)),
-                           elements=st.floats(-5, 5, width=32), unique=True)
+                           elements=st.integers(-500, 500).map(lambda v: v / 100), unique=True)
 
 
 @settings(max_examples=40, deadline=None)
@@ -46,11 +47,12 @@ def test_top_k_matches_definition(logits, k):
 @settings(max_examples=40, deadline=None)
 @given(finite_logits, st.floats(0.01, 1.0))
 def test_top_p_matches_definition(logits, p):
+    # A cumulative probability within float32 rounding of p may be decided either way.
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True), dtype=np.float64)
+    cumulative = np.cumsum(-np.sort(-probs / probs.sum(axis=1, keepdims=True)), axis=1)
+    assume(np.abs(cumulative - p).min() > 1e-5)
     got = np.asarray(filter_logits(jnp.asarray(logits), top_p=jnp.float32(p)))
-    expected = naive_top_p(logits, np.float32(p))
-    # Borderline cumulative sums may round differently in float32; compare the kept sets where
-    # the decision is not within float rounding of the threshold.
-    np.testing.assert_array_equal(np.isinf(got), np.isinf(expected))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(naive_top_p(logits, np.float32(p))))
 
 
 def test_top_k_then_top_p_in_hf_order():
