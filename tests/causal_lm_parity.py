@@ -43,3 +43,11 @@ def assert_logits_match(torch, ours, theirs, seq: int):
     assert_close_where_real(tfx_logits(ours, input_ids, attention_mask),
                             torch_logits(torch, theirs, input_ids, attention_mask),
                             attention_mask)
+
+
+def through_folder(hf_model, folder):
+    """The tfx model read back from `hf_model.save_pretrained(folder)` (safetensors)."""
+    import tfx.hf
+
+    hf_model.save_pretrained(folder, safe_serialization=True)
+    return tfx.hf.load(folder)

@@ -30,7 +30,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from causal_lm_parity import perturb  # noqa: E402
+from causal_lm_parity import perturb, through_folder  # noqa: E402
 from transformers import cache_utils  # noqa: E402
 
 import tfx  # noqa: E402
@@ -85,9 +85,7 @@ def load(tmp_path_factory):
     def load(name: str):
         torch.manual_seed(1)  # a seed whose greedy continuations are varied
         hf_model = perturb(torch, BUILDERS[name]().eval(), scale=0.3)
-        folder = tmp_path_factory.mktemp(name)
-        hf_model.save_pretrained(folder, safe_serialization=True)
-        return hf_model, tfx.hf.load(folder)
+        return hf_model, through_folder(hf_model, tmp_path_factory.mktemp(name))
 
     return load
 

@@ -20,6 +20,7 @@ from causal_lm_parity import (  # noqa: E402
     assert_logits_match,
     padded_inputs,
     perturb,
+    through_folder,
 )
 
 import tfx.hf  # noqa: E402
@@ -63,9 +64,7 @@ def _hf_model(case: str):
 def loaded(request, tmp_path_factory):
     """(case, torch model, tfx model) for one case, through a save_pretrained folder."""
     hf_model = _hf_model(request.param)
-    folder = tmp_path_factory.mktemp(request.param)
-    hf_model.save_pretrained(folder, safe_serialization=True)
-    return request.param, hf_model, tfx.hf.load(folder)
+    return request.param, hf_model, through_folder(hf_model, tmp_path_factory.mktemp(request.param))
 
 
 def test_logits_match_transformers(loaded):

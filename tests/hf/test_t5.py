@@ -19,6 +19,8 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from causal_lm_parity import through_folder  # noqa: E402
+
 import tfx.hf  # noqa: E402
 from tfx.hf import t5  # noqa: E402
 
@@ -77,9 +79,8 @@ def load(tmp_path_factory):
     @functools.cache
     def load(flavour: str):
         hf_model = _hf_model(flavour)
-        folder = tmp_path_factory.mktemp(flavour)
-        hf_model.save_pretrained(folder, safe_serialization=True)
-        return hf_model, tfx.hf.load(folder), _torch_logits(hf_model, *_inputs())
+        ours = through_folder(hf_model, tmp_path_factory.mktemp(flavour))
+        return hf_model, ours, _torch_logits(hf_model, *_inputs())
 
     return load
 

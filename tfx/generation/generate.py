@@ -94,16 +94,15 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
     graphdef, state = nnx.split(model)
     tokens = _generate(graphdef, state, jax.device_put(padded_ids.astype(np.int32)),
                        jnp.asarray(padded_mask), rng, filters, jnp.asarray(eos or [-1], jnp.int32),
-                       jnp.int32(pad_token_id), max_new_tokens=max_new_tokens,
-                       cache_len=min(padded_len + max_new_tokens, config.max_len))
+                       jnp.int32(pad_token_id), max_new_tokens=max_new_tokens)
     # Assembled on the host: a device concatenate would compile once per prompt length.
     first = np.full((ids.shape[0], 1), config.decoder_start_token_id) if seq2seq else ids
     return jax.device_put(np.concatenate([first, np.asarray(tokens)], axis=1).astype(np.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "cache_len"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
 def _generate(graphdef, state, ids, mask, rng, filters, eos, pad_token_id, *,
-              max_new_tokens: int, cache_len: int) -> jax.Array:
+              max_new_tokens: int) -> jax.Array:
     """The compiled program: prefill, then a while loop of cached single-token steps.
     Returns int32 [batch, max_new_tokens]."""
     model = nnx.merge(graphdef, state)
@@ -115,7 +114,7 @@ def _generate(graphdef, state, ids, mask, rng, filters, eos, pad_token_id, *,
         head = None
         logits, cache = _step(model, head, start, cache)
     else:  # prompts arrive left-aligned: every row's last real token is the last column
-        cache = model.init_cache(batch, cache_len)
+        cache = model.init_cache(batch, min(ids.shape[1] + max_new_tokens, model.config.max_len))
         hidden, cache = model.hidden_states(ids, attention_mask=mask, cache=cache)
         head = model.output_weights()  # laid out once, outside the loop
         logits = model.logits(hidden[:, -1:], head)[:, 0]
