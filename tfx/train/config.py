@@ -1,0 +1,203 @@
+"""What a training run is: an `Experiment` = model config + objective + data + optimiser + loop
+settings + mesh. Frozen, validated dataclasses, overridden from the command line by tyro
+(`--model.num_layers=4`, `--optim.learning_rate=1e-3`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from tfx.models.config import DecoderConfig, EncoderConfig, EncoderDecoderConfig
+
+__all__ = ["DataConfig", "Experiment", "MeshConfig", "OptimConfig", "TrainConfig",
+           "experiment_from_dict", "run_identity"]
+
+OBJECTIVES = {"causal_lm": DecoderConfig, "mlm": EncoderConfig, "seq2seq": EncoderDecoderConfig}
+
+
+def _positive(name: str, value) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def _at_least(name: str, value, low) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio`·peak, global-norm clipping."""
+
+    learning_rate: float = 1e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float | None = 1.0  # None: no clipping
+
+    def __post_init__(self):
+        _positive("learning_rate", self.learning_rate)
+        _at_least("warmup_steps", self.warmup_steps, 0)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _at_least("weight_decay", self.weight_decay, 0.0)
+        for name in ("b1", "b2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.grad_clip is not None:
+            _positive("grad_clip", self.grad_clip)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The loop: `steps` optimiser updates of `batch_size` sequences, each the sum of
+    `grad_accum` micro-batches (batch_size must divide into them)."""
+
+    steps: int = 600
+    batch_size: int = 16
+    seq_len: int = 256
+    grad_accum: int = 1
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 200
+    eval_batches: int = 8
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every",
+                     "eval_batches", "checkpoint_every", "keep_checkpoints"):
+            _at_least(name, getattr(self, name), 1)
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"grad_accum ({self.grad_accum}) must divide batch_size "
+                             f"({self.batch_size})")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where tokens come from. `source`: None for the embedded corpus (the Python standard
+    library's own source files), or a text file / folder; `task`: a synthetic seq2seq task
+    (copy, reverse, sort, addition) instead of text."""
+
+    source: str | None = None
+    tokenizer: str = "byte"  # "byte" or a tokenizer.json path
+    val_fraction: float = 0.05
+    task: Literal["copy", "reverse", "sort", "addition"] | None = None
+    min_len: int = 4
+    max_len: int = 16
+
+    def __post_init__(self):
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        _at_least("min_len", self.min_len, 1)
+        if self.max_len < self.min_len:
+            raise ValueError(f"max_len ({self.max_len}) must be >= min_len ({self.min_len})")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """Device mesh axis sizes (see tfx.parallel). data = -1 takes the devices left over."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        if self.data != -1:
+            _at_least("data", self.data, 1)
+        _at_least("fsdp", self.fsdp, 1)
+        _at_least("tensor", self.tensor, 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Experiment:
+    """A named, complete training run. `objective` picks the loss and the model family:
+    causal_lm -> DecoderConfig, mlm -> EncoderConfig, seq2seq -> EncoderDecoderConfig."""
+
+    name: str
+    objective: Literal["causal_lm", "mlm", "seq2seq"]
+    model: DecoderConfig | EncoderConfig | EncoderDecoderConfig
+    train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
+    data: DataConfig = DataConfig()
+    mesh: MeshConfig = MeshConfig()
+    label_smoothing: float = 0.0  # seq2seq
+    mlm_probability: float = 0.15  # mlm
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {tuple(OBJECTIVES)}, "
+                             f"got {self.objective!r}")
+        wanted = OBJECTIVES[self.objective]
+        if type(self.model) is not wanted:
+            raise TypeError(f"objective {self.objective!r} needs model: {wanted.__name__}, "
+                            f"got {type(self.model).__name__}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        if not 0.0 < self.mlm_probability < 1.0:
+            raise ValueError(f"mlm_probability must be in (0, 1), got {self.mlm_probability}")
+        if self.objective == "seq2seq" and self.data.task is None:
+            raise ValueError("objective 'seq2seq' needs data.task (copy, reverse, sort, addition)")
+        if self.model.position == "learned" and self.train.seq_len > self.model.max_len:
+            raise ValueError(f"train.seq_len ({self.train.seq_len}) exceeds the learned position "
+                             f"table (model.max_len = {self.model.max_len})")
+
+    def to_dict(self) -> dict:
+        """JSON-able form; dataclasses carry their class under "__type__" so that
+        `experiment_from_dict` rebuilds the same objects."""
+        return _encode(self)
+
+
+# Loop settings that may change between a run and its resumption (they don't change the result).
+LOOP_ONLY = ("log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints")
+
+
+def run_identity(experiment: Experiment) -> dict:
+    """What makes two runs the same run: the experiment without LOOP_ONLY settings."""
+    identity = experiment.to_dict()
+    identity["train"] = {k: v for k, v in identity["train"].items() if k not in LOOP_ONLY}
+    return identity
+
+
+def experiment_from_dict(data: dict) -> Experiment:
+    """Inverse of `Experiment.to_dict` (missing fields take their defaults)."""
+    return _decode(data)
+
+
+def _types() -> dict[str, type]:
+    from tfx.models.config import EncoderConfig, EncoderDecoderConfig
+    from tfx.ops.positional import RopeScaling
+
+    known = (Experiment, TrainConfig, OptimConfig, DataConfig, MeshConfig, DecoderConfig,
+             EncoderConfig, EncoderDecoderConfig, *RopeScaling.__subclasses__())
+    return {cls.__name__: cls for cls in known}
+
+
+def _encode(value):
+    if dataclasses.is_dataclass(value):
+        return {"__type__": type(value).__name__,
+                **{f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)
+                   if f.init}}
+    if isinstance(value, list | tuple):
+        return [_encode(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise TypeError(f"cannot store {type(value).__name__} in an experiment config")
+
+
+def _decode(value):
+    if isinstance(value, dict):
+        fields = {k: _decode(v) for k, v in value.items() if k != "__type__"}
+        name = value.get("__type__")
+        types = _types()
+        if name not in types:
+            raise ValueError(f"unknown config type {name!r} in a stored experiment")
+        return types[name](**fields)
+    if isinstance(value, list):
+        return tuple(_decode(v) for v in value)
+    return value

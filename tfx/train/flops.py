@@ -1,0 +1,46 @@
+"""Model FLOPs utilisation: the FLOPs a training step needs by the PaLM appendix's count,
+divided by the machine's measured matmul peak."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tfx.models.config import EncoderDecoderConfig, TransformerConfig
+
+__all__ = ["matmul_peak_flops", "parameter_count", "training_flops_per_token"]
+
+
+def parameter_count(params: nnx.State, *, exclude_positions: bool = True) -> int:
+    """Number of parameters; learned position tables (`.../positions/...`) are left out by
+    default, as the FLOP count asks (a lookup, not a matmul)."""
+    return sum(int(np.prod(leaf.shape)) for path, leaf in nnx.to_flat_state(params)
+               if not (exclude_positions and "positions" in path))
+
+
+def training_flops_per_token(config: TransformerConfig, num_params: int, seq_len: int) -> float:
+    """6·N + 12·L·H·Q·T: forward and backward of every weight once per token (6N), plus
+    attention's score and value products (L layers, H heads, Q head dim, T context)."""
+    layers = config.num_layers
+    if isinstance(config, EncoderDecoderConfig):
+        layers += config.decoder_layers
+    head_dim = config.head_dim or config.d_model // config.num_heads
+    return 6.0 * num_params + 12.0 * layers * config.num_heads * head_dim * seq_len
+
+
+def matmul_peak_flops(size: int = 2048, dtype=jnp.float32, repeats: int = 5) -> float:
+    """FLOP/s of a jitted [size, size] @ [size, size] product, best of `repeats` (the
+    practical peak of this machine for XLA)."""
+    a = jax.random.normal(jax.random.key(0), (size, size), dtype)
+    product = jax.jit(lambda x, y: x @ y)
+    product(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        product(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / best

@@ -1,0 +1,77 @@
+"""Where a run's numbers go: DIR/metrics.jsonl (one JSON object per logged step), TensorBoard
+event files (DIR/tensorboard) and, at the end, a loss-curve PNG (DIR/loss.png)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+__all__ = ["MetricsWriter", "plot_losses", "read_metrics"]
+
+
+class MetricsWriter:
+    """Appends {"step", "split", ...metrics} records; resuming a run keeps the earlier lines
+    up to the step it resumes from (later ones belong to work that is being redone)."""
+
+    def __init__(self, workdir: str | Path, *, resume_step: int = 0, tensorboard: bool = True):
+        self.path = Path(workdir) / "metrics.jsonl"
+        kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._file = self.path.open("a")
+        self._tensorboard = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+            self._tensorboard = SummaryWriter(str(Path(workdir) / "tensorboard"),
+                                              purge_step=resume_step + 1 if resume_step else None)
+
+    def write(self, step: int, metrics: dict, *, split: str = "train") -> None:
+        record = {"step": int(step), "split": split,
+                  **{k: float(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tensorboard is not None:
+            for name, value in metrics.items():
+                self._tensorboard.add_scalar(f"{split}/{name}", float(value), int(step))
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics.jsonl ([] when there is none)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_losses(records: list[dict], path: str | Path, *, title: str = "") -> Path:
+    """Train and validation loss against step, saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for split, style in (("train", "-"), ("val", "o-")):
+        points = [(r["step"], r["loss"]) for r in records
+                  if r.get("split") == split and math.isfinite(r.get("loss", math.nan))]
+        if points:
+            ax.plot(*zip(*points, strict=True), style, label=split)
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

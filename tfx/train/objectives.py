@@ -1,0 +1,73 @@
+"""Training objectives: causal LM, masked LM (BERT) and sequence-to-sequence with teacher
+forcing. Each returns the loss summed over its targets, the number of targets and metric sums,
+so micro-batches of gradient accumulation add up exactly to the full batch's mean."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from tfx.train.masking import mask_tokens
+
+__all__ = ["OBJECTIVE_FUNCTIONS", "causal_lm", "masked_lm", "sequence_to_sequence"]
+
+
+def causal_lm(model, batch: dict, rng: jax.Array, **_) -> tuple[jax.Array, jax.Array, dict]:
+    """Next-token prediction. batch["tokens"]: int [batch, seq + 1]; inputs are tokens[:, :-1]
+    and targets tokens[:, 1:]."""
+    del rng
+    tokens = batch["tokens"]
+    logits = model(tokens[:, :-1])
+    return _cross_entropy(logits, tokens[:, 1:], jnp.ones(tokens[:, 1:].shape, bool))
+
+
+def masked_lm(model, batch: dict, rng: jax.Array, *, mlm_probability: float = 0.15, **_):
+    """BERT masked LM: 15% of the real, non-special tokens are chosen (80% -> [MASK], 10% ->
+    random, 10% kept) and predicted. batch: "input_ids" int [batch, seq], "attention_mask"
+    bool [batch, seq]."""
+    c = model.config
+    specials = tuple(sorted({c.pad_token_id, c.cls_token_id, c.sep_token_id, c.mask_token_id}))
+    inputs, chosen = mask_tokens(rng, batch["input_ids"], mask_token_id=c.mask_token_id,
+                                 vocab_size=c.vocab_size, special_ids=specials,
+                                 probability=mlm_probability)
+    hidden = model(inputs, attention_mask=batch["attention_mask"])
+    return _cross_entropy(model.mlm_logits(hidden), batch["input_ids"],
+                          chosen & batch["attention_mask"].astype(bool))
+
+
+def sequence_to_sequence(model, batch: dict, rng: jax.Array, *, label_smoothing: float = 0.0,
+                         **_):
+    """Teacher forcing: the decoder reads decoder_input_ids ([BOS] + target) and predicts
+    labels (target + [EOS]) where label_mask is True; optional label smoothing.
+
+    batch: "input_ids", "attention_mask" [batch, src]; "decoder_input_ids", "labels",
+    "label_mask" [batch, tgt]. Metrics add "exact": sequences whose every label is predicted.
+    """
+    del rng
+    logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
+                   decoder_input_ids=batch["decoder_input_ids"])
+    weights = batch["label_mask"].astype(bool)
+    total, count, metrics = _cross_entropy(logits, batch["labels"], weights, label_smoothing)
+    correct = (logits.argmax(-1) == batch["labels"]) | ~weights
+    metrics["exact"] = correct.all(-1).sum().astype(jnp.float32)
+    metrics["sequences"] = jnp.float32(weights.shape[0])
+    return total, count, metrics
+
+
+def _cross_entropy(logits, labels, weights, label_smoothing: float = 0.0):
+    """Sum of per-token cross-entropy over `weights`, its count, and accuracy sums.
+    logits float32 [batch, seq, vocab]; labels int [batch, seq]; weights bool [batch, seq]."""
+    logits = logits.astype(jnp.float32)
+    if label_smoothing:
+        targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing)
+        losses = optax.softmax_cross_entropy(logits, targets)
+    else:
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    weights = weights.astype(jnp.float32)
+    correct = (logits.argmax(-1) == labels).astype(jnp.float32) * weights
+    count = weights.sum()
+    return (losses * weights).sum(), count, {"correct": correct.sum(), "targets": count}
+
+
+OBJECTIVE_FUNCTIONS = {"causal_lm": causal_lm, "mlm": masked_lm, "seq2seq": sequence_to_sequence}

@@ -1,0 +1,138 @@
+"""The train state and the jitted train / eval steps, used functionally on `nnx.split` state.
+
+One step = one optimiser update on the sum of `grad_accum` micro-batches (a `lax.scan`, so the
+activations of only one micro-batch are alive at a time). Its random key is
+fold_in(state.rng, state.step): a resumed run draws exactly what an uninterrupted run draws.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+__all__ = ["TrainState", "finish_eval", "init_train_state", "make_eval_step", "make_train_step"]
+
+
+@struct.dataclass
+class TrainState:
+    """step: int32 []; params: the model's nnx.Param state (float32 master weights);
+    opt_state: the optimiser's state; rng: uint32 key data [2] of the run's base key."""
+
+    step: jax.Array
+    params: nnx.State
+    opt_state: optax.OptState
+    rng: jax.Array
+
+    def to_dict(self) -> dict:
+        """The checkpointed form."""
+        return {"step": self.step, "params": self.params, "opt_state": self.opt_state,
+                "rng": self.rng}
+
+
+def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation, *,
+                     seed: int) -> tuple[nnx.GraphDef, nnx.State, TrainState]:
+    """Split `model` into (graphdef, non-parameter state, TrainState at step 0)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    rng = jax.random.key_data(jax.random.key(seed))
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                       opt_state=optimizer.init(params), rng=rng)
+    return graphdef, rest, state
+
+
+def _merge(graphdef, params, rest, rng, *, train: bool):
+    model = nnx.merge(graphdef, params, rest)
+    if train and getattr(model.config, "dropout", 0.0) > 0:
+        nnx.reseed(model, dropout=jax.random.fold_in(rng, 1))
+    model.train() if train else model.eval()
+    return model
+
+
+def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
+                    optimizer: optax.GradientTransformation, objective: Callable, *,
+                    grad_accum: int = 1, objective_kwargs: dict | None = None,
+                    state_sharding=None) -> Callable:
+    """Compile `(state, batch) -> (state, metrics)`.
+
+    objective: `(model, batch, rng, **objective_kwargs) -> (loss_sum, count, metric_sums)`
+      (see tfx.train.objectives). batch: dict of arrays with a leading [batch] axis divisible
+      by grad_accum. metrics: float32 scalars "loss" (mean over targets), "grad_norm",
+      "accuracy" and the objective's own sums divided by their counts.
+    state_sharding: a TrainState of shardings to keep the state on (tfx.parallel); the state
+      argument is donated.
+    """
+    kwargs = objective_kwargs or {}
+
+    def sums_and_grads(params, batch, rng):
+        def loss_sum(p):
+            total, count, metrics = objective(_merge(graphdef, p, rest, rng, train=True),
+                                              batch, jax.random.fold_in(rng, 0), **kwargs)
+            return total, (count, metrics)
+        (total, (count, metrics)), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
+        return grads, total, count, metrics
+
+    def train_step(state: TrainState, batch: dict):
+        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        if grad_accum == 1:
+            grads, total, count, sums = sums_and_grads(state.params, batch, rng)
+        else:
+            micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
+
+            def accumulate(carry, xs):
+                index, micro_batch = xs
+                out = sums_and_grads(state.params, micro_batch, jax.random.fold_in(rng, index))
+                return jax.tree.map(jnp.add, carry, out), None
+
+            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
+                sums_and_grads, state.params, jax.tree.map(lambda x: x[0], micro), rng))
+            (grads, total, count, sums), _ = jax.lax.scan(
+                accumulate, zeros, (jnp.arange(grad_accum), micro))
+        count = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g / count.astype(g.dtype), grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        new_state = state.replace(step=state.step + 1,
+                                  params=optax.apply_updates(state.params, updates),
+                                  opt_state=opt_state)
+        metrics = {"loss": total / count, "grad_norm": optax.global_norm(grads),
+                   **_ratios(sums)}
+        return new_state, metrics
+
+    if state_sharding is None:
+        return jax.jit(train_step, donate_argnums=0)
+    return jax.jit(train_step, donate_argnums=0, out_shardings=(state_sharding, None))
+
+
+def make_eval_step(graphdef: nnx.GraphDef, rest: nnx.State, objective: Callable, *,
+                   objective_kwargs: dict | None = None) -> Callable:
+    """Compile `(params, batch, rng) -> (loss_sum, count, metric_sums)` in eval mode (no
+    dropout); sum these over batches and divide (see `finish_eval`)."""
+    kwargs = objective_kwargs or {}
+
+    @jax.jit
+    def eval_step(params, batch, rng):
+        model = _merge(graphdef, params, rest, rng, train=False)
+        return objective(model, batch, rng, **kwargs)
+
+    return eval_step
+
+
+def finish_eval(results: list) -> dict:
+    """Per-batch (loss_sum, count, metric_sums) -> {"loss": mean, "accuracy", ...}."""
+    total, count, sums = functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), results)
+    count = max(float(count), 1.0)
+    return {"loss": float(total) / count,
+            **{k: float(v) for k, v in _ratios(sums).items()}}
+
+
+def _ratios(sums: dict) -> dict:
+    """Metric sums -> rates: correct/targets -> accuracy, exact/sequences -> exact_match."""
+    out = {}
+    if "correct" in sums:
+        out["accuracy"] = sums["correct"] / jnp.maximum(sums["targets"], 1.0)
+    if "exact" in sums:
+        out["exact_match"] = sums["exact"] / jnp.maximum(sums["sequences"], 1.0)
+    return out
