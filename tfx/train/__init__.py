@@ -1,0 +1,1 @@
+"""Training: data, objectives, optimiser, steps, checkpoints, metrics and the loop."""

@@ -1,0 +1,246 @@
+"""Checkpoints of one training run: orbax's CheckpointManager plus a config guard and fallback.
+
+Layout of a run's checkpoint directory (WORKDIR/checkpoints)::
+
+    config.json       the run's experiment config, written once; a later run with another
+                      config in the same directory is refused before anything is written
+    <step>/           one orbax checkpoint per saved step (the newest `keep` are kept)
+
+The state is any pytree of jax arrays (sharded or not), numpy arrays and python scalars,
+e.g. ``{"params": nnx.State, "opt_state": optax state, "step": int32[], "rng": key}``.
+PRNG keys are stored as their key data (``jax.random.key_data``: uint32 [..., 2] for the
+default threefry): a typed key (``jax.random.key``) in the state restores as a typed key when
+the template holds one, and a raw uint32 key-data array restores as that array.
+
+Orbax writes each step into a temporary directory and renames it only once complete, so a
+save that dies half way (crash, SIGKILL, full disk) never replaces an earlier step, and old
+steps are deleted only after the new one has committed. Temporary leftovers are removed when
+the next `Checkpoints` opens the directory. A step that `restore` finds unreadable stays on
+disk (a read error may be passing) until a new save of that step replaces it or it rotates out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+_LEAF_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float)
+
+
+class Checkpoints:
+    """Checkpoints of one training run in `directory` (= WORKDIR/checkpoints).
+
+    Args:
+      directory: the run's checkpoint folder; created if missing.
+      config: the run's JSON-able experiment config, written to ``directory/config.json``
+        when the directory is first opened; if that file already holds a different config,
+        ValueError lists the differing keys (dotted paths, old vs new) and nothing is written.
+      keep: how many of the newest steps to keep (>= 1).
+      async_save: write in a background thread; `save` returns once the arrays are copied
+        to host memory. Call `wait` (or `close`) before reading the files from elsewhere.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, config: dict, keep: int = 3,
+                 async_save: bool = True):
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+        if not isinstance(config, dict):
+            raise TypeError(f"config must be a JSON-able dict, got {type(config).__name__}")
+        try:
+            config = json.loads(json.dumps(config))  # tuples -> lists, as they will be read back
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"config must be JSON-able: {e}") from e
+        self.directory = pathlib.Path(directory).absolute()
+        config_path = self.directory / "config.json"
+        if config_path.exists():
+            _check_same_config(config_path, config)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True, create=True)
+        # Naming the handler lets a fresh manager read metadata before its first save/restore.
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler())
+        if not config_path.exists() and jax.process_index() == 0:
+            tmp = config_path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            os.replace(tmp, config_path)  # atomic: a reader sees no half-written config
+        self._unreadable: set[int] = set()  # steps that `restore` could not read
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when there is none."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state: Any, *, force: bool = False) -> bool:
+        """Save `state` as checkpoint `step`, then delete all but the newest `keep` steps.
+
+        Args:
+          step: the training step, an int >= 0. A step that already exists raises ValueError,
+            unless `restore` found it unreadable: then it is replaced.
+          state: pytree whose leaves are jax arrays (any sharding), numpy arrays or python
+            scalars.
+          force: passed to orbax; with the default options every step is saved anyway.
+        Returns:
+          True when a save was started (orbax's answer).
+        Raises:
+          TypeError: a leaf of another type (checked before anything is written).
+          Errors from orbax (e.g. a deleted array, or a failed background write surfaced
+          here from the previous save) with a note naming the step; earlier steps stay intact.
+        """
+        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        step = int(step)
+        bad = [(jax.tree_util.keystr(path), type(leaf).__name__)
+               for path, leaf in jax.tree_util.tree_leaves_with_path(state)
+               if not isinstance(leaf, _LEAF_TYPES)]
+        if bad:
+            raise TypeError("state leaves must be jax/numpy arrays or python scalars; got "
+                            + ", ".join(f"{p}: {t}" for p, t in bad))
+        self.wait()  # surface a failed background write of the previous step first
+        if step in self._manager.all_steps():
+            if step not in self._unreadable:
+                raise ValueError(f"step {step} is already saved in {self.directory}")
+            self._manager.delete(step)
+        self._unreadable.discard(step)
+        try:
+            return self._manager.save(step, args=ocp.args.StandardSave(state), force=force)
+        except Exception as e:
+            e.add_note(f"while saving checkpoint step {step} in {self.directory}; "
+                       "earlier steps are untouched")
+            raise
+
+    def restore(self, template: Any, step: int | None = None) -> tuple[int, Any] | None:
+        """Restore a checkpoint into the structure, dtypes and shardings of `template`.
+
+        Args:
+          template: pytree like the saved state; leaves are concrete arrays/scalars or
+            ``jax.ShapeDtypeStruct`` (with ``sharding=`` for jax arrays). Numpy leaves restore
+            as numpy, jax leaves as jax.Array with the template's sharding.
+          step: the step to restore; None means the newest readable one: when a checkpoint
+            is unreadable (missing or truncated files, bad metadata) a warning names it and
+            the error, and the next older step is tried.
+        Returns:
+          ``(step, state)``, or None when the directory holds no checkpoint.
+        Raises:
+          ValueError: the checkpoint's tree structure or shapes differ from `template` (a
+            checkpoint of another model config), the requested `step` is missing or
+            unreadable, or no checkpoint at all is readable.
+        """
+        self.wait()
+        steps = self.all_steps()[::-1]
+        if step is not None:
+            if step not in steps:
+                raise ValueError(f"step {step} is not in {self.directory}; saved: {steps[::-1]}")
+            steps = [step]
+        if not steps:
+            return None
+        abstract = jax.tree.map(_abstract, template)
+        errors = []
+        for s in steps:
+            try:  # orbax reads the tree and array metadata here: a cheap corruption check
+                stored = self._manager.item_metadata(s)
+                if stored is None:
+                    raise FileNotFoundError("checkpoint metadata is missing")
+                mismatch = _mismatch(abstract, stored.tree)
+                if not mismatch:
+                    return s, self._manager.restore(s, args=ocp.args.StandardRestore(abstract))
+            except Exception as e:
+                self._unreadable.add(s)
+                errors.append(f"step {s}: {type(e).__name__}: {e}")
+                warnings.warn(f"checkpoint step {s} in {self.directory} is unreadable "
+                              f"({type(e).__name__}: {e})", RuntimeWarning, stacklevel=2)
+                continue
+            raise ValueError(f"checkpoint step {s} in {self.directory} does not match the "
+                             f"template (a checkpoint of another model config?): {mismatch}")
+        raise ValueError(f"no readable checkpoint in {self.directory}:\n" + "\n".join(errors))
+
+    def wait(self) -> None:
+        """Block until the pending background save has committed (re-raising its error)."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            e.add_note(f"a background checkpoint save in {self.directory} failed; "
+                       "earlier steps are untouched")
+            raise
+
+    def close(self) -> None:
+        """Wait for pending saves, then release orbax's threads."""
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+
+    def __enter__(self) -> Checkpoints:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _abstract(leaf: Any) -> Any:
+    """Restore target of one template leaf: keeps shape, dtype (typed keys too) and sharding."""
+    if isinstance(leaf, jax.Array):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+    if isinstance(leaf, np.ndarray):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+    return leaf  # ShapeDtypeStruct or python scalar
+
+
+def _stored_shape(leaf: Any) -> tuple[int, ...]:
+    """Shape of a template leaf as stored on disk (typed keys are stored as key data)."""
+    if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+        return jax.eval_shape(jax.random.key_data, leaf).shape
+    return tuple(getattr(leaf, "shape", ()))  # python scalars are stored as 0-d
+
+
+def _mismatch(abstract: Any, stored: Any) -> str:
+    """Where the template's leaf paths and shapes differ from the checkpoint's ('' if nowhere)."""
+    want = {"/".join(k): _stored_shape(v) for k, v in ocp.tree.to_flat_dict(abstract).items()}
+    have = {"/".join(k): tuple(v.shape)
+            for k, v in ocp.tree.to_flat_dict(stored).items() if v is not None}
+    problems = [f"{k}: missing from the checkpoint" for k in want.keys() - have.keys()]
+    problems += [f"{k}: not in the template" for k in have.keys() - want.keys()]
+    problems += [f"{k}: shape {have[k]} in the checkpoint, {want[k]} in the template"
+                 for k in want.keys() & have.keys() if want[k] != have[k]]
+    return "; ".join(sorted(problems))
+
+
+def _check_same_config(path: pathlib.Path, config: dict) -> None:
+    """Raise ValueError listing the dotted keys where `path`'s config differs from `config`."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is unreadable ({e}); refusing to reuse this directory") from e
+    diffs = _diff(old, config, "")
+    if diffs:
+        raise ValueError(f"{path.parent} holds checkpoints of another config; differing keys "
+                         "(old vs new): " + "; ".join(f"{k}: {o!r} vs {n!r}" for k, o, n in diffs))
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
+
+
+def _diff(old: Any, new: Any, prefix: str) -> list[tuple[str, Any, Any]]:
+    """(dotted key, old, new) for every leaf where two JSON trees differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(old.keys() | new.keys()):
+            path = f"{prefix}.{key}" if prefix else key
+            out += _diff(old.get(key, _MISSING), new.get(key, _MISSING), path)
+        return out
+    return [] if old == new else [(prefix or "<root>", old, new)]
