@@ -28,11 +28,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if rest and args.command != "train":
         parser.error(f"unrecognised arguments: {' '.join(rest)}")
-    if args.coordinator_address or args.num_processes:
-        from tfx.parallel import initialize
+    try:
+        if args.coordinator_address or args.num_processes:
+            from tfx.parallel import initialize
 
-        initialize(args.coordinator_address, args.num_processes, args.process_id)
-    return _COMMANDS[args.command](args, rest)
+            initialize(args.coordinator_address, args.num_processes, args.process_id)
+        return _COMMANDS[args.command](args, rest)
+    except (ValueError, TypeError) as error:  # a bad config, data path or workdir
+        print(f"tfx {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 def _parser() -> argparse.ArgumentParser:

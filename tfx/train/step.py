@@ -36,8 +36,13 @@ class TrainState:
 
 def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation, *,
                      seed: int) -> tuple[nnx.GraphDef, nnx.State, TrainState]:
-    """Split `model` into (graphdef, non-parameter state, TrainState at step 0)."""
+    """Split `model` into (graphdef, non-parameter state, TrainState at step 0).
+
+    The state holds copies of the model's parameters: the train step donates its state, and
+    the model itself stays usable.
+    """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = jax.tree.map(jnp.copy, params)
     rng = jax.random.key_data(jax.random.key(seed))
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                        opt_state=optimizer.init(params), rng=rng)
@@ -45,9 +50,12 @@ def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation,
 
 
 def _merge(graphdef, params, rest, rng, *, train: bool):
-    model = nnx.merge(graphdef, params, rest)
+    # Fresh Variables for the non-parameter state (dropout's RNG counters) in the current
+    # trace: NNX refuses to mutate a Variable created in an outer trace.
+    model = nnx.merge(graphdef, params, jax.tree.map(lambda x: x, rest))
     if train and getattr(model.config, "dropout", 0.0) > 0:
-        nnx.reseed(model, dropout=jax.random.fold_in(rng, 1))
+        key = jax.random.fold_in(rng, 1)  # dropout draws from its own stream or the default
+        nnx.reseed(model, default=key, dropout=key)
     model.train() if train else model.eval()
     return model
 
@@ -97,7 +105,7 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
         new_state = state.replace(step=state.step + 1,
                                   params=optax.apply_updates(state.params, updates),
                                   opt_state=opt_state)
-        metrics = {"loss": total / count, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": total / count, "grad_norm": optax.tree.norm(grads),
                    **_ratios(sums)}
         return new_state, metrics
 

@@ -1,0 +1,97 @@
+"""Train steps against a hand-written optax update, and gradient accumulation against one big
+batch."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from tfx.models import create
+from tfx.train.objectives import causal_lm, sequence_to_sequence
+from tfx.train.optim import make_optimizer
+from tfx.train.step import finish_eval, init_train_state, make_eval_step, make_train_step
+from train_cases import tiny
+
+
+def _setup(name, **model_changes):
+    e = tiny(name)
+    model = create(e.model.replace(**model_changes), rngs=nnx.Rngs(0))
+    optimizer = make_optimizer(e.optim, 10)
+    return e, model, optimizer
+
+
+def _tokens(seed=0, batch=4, length=17):
+    return {"tokens": jax.random.randint(jax.random.key(seed), (batch, length), 0, 256)}
+
+
+def test_train_step_is_one_adamw_update_of_the_mean_loss():
+    _, model, optimizer = _setup("gpt_char")
+    graphdef, rest, state = init_train_state(model, optimizer, seed=0)
+    params0 = state.params
+    step = make_train_step(graphdef, rest, optimizer, causal_lm)
+    batch = _tokens()
+
+    def mean_loss(params):
+        logits = nnx.merge(graphdef, params, rest)(batch["tokens"][:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits, batch["tokens"][:, 1:]).mean()
+
+    loss, grads = jax.value_and_grad(mean_loss)(params0)
+    updates, _ = optimizer.update(grads, optimizer.init(params0), params0)
+    expected = optax.apply_updates(params0, updates)
+    new_state, metrics = step(jax.tree.map(jnp.copy, state), batch)
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
+    np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(grads), rtol=1e-4)
+    chex.assert_trees_all_close(new_state.params, expected, atol=1e-6)
+    assert int(new_state.step) == 1
+
+
+@pytest.mark.parametrize("name", ["gpt_char", "seq2seq_reverse"])
+def test_gradient_accumulation_equals_the_full_batch(name):
+    e, model, optimizer = _setup(name)
+    objective = causal_lm if name == "gpt_char" else sequence_to_sequence
+    if name == "gpt_char":
+        batch = _tokens(batch=8)
+    else:
+        from tfx.train.feed import Feed
+
+        batch = jax.tree.map(jnp.asarray, Feed(e).train(0))
+        batch = jax.tree.map(lambda x: x[:8], batch)
+    results = []
+    for accum in (1, 4):
+        graphdef, rest, state = init_train_state(model, optimizer, seed=0)
+        step = make_train_step(graphdef, rest, optimizer, objective, grad_accum=accum)
+        results.append(step(state, batch))
+    (s1, m1), (s4, m4) = results
+    chex.assert_trees_all_close(m1, m4, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(s1.params, s4.params, rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_draws_from_the_step_key():
+    _, model, optimizer = _setup("gpt_char", dropout=0.3)
+    graphdef, rest, state = init_train_state(model, optimizer, seed=0)
+    step = make_train_step(graphdef, rest, optimizer, causal_lm)
+    batch = _tokens()
+    _, a = step(jax.tree.map(jnp.copy, state), batch)
+    _, b = step(jax.tree.map(jnp.copy, state), batch)
+    np.testing.assert_array_equal(a["loss"], b["loss"])  # same step, same key, same masks
+    _, c = step(jax.tree.map(jnp.copy, state).replace(step=state.step + 1), batch)
+    assert a["loss"] != c["loss"]  # another step, another dropout draw
+    eval_step = make_eval_step(graphdef, rest, causal_lm)
+    plain = eval_step(state.params, batch, jax.random.key(0))
+    other = eval_step(state.params, batch, jax.random.key(1))
+    chex.assert_trees_all_close(plain, other)  # eval: no dropout
+
+
+def test_finish_eval_weights_batches_by_their_targets():
+    results = [(jnp.float32(6.0), jnp.float32(3.0), {"correct": jnp.float32(1.0),
+                                                     "targets": jnp.float32(3.0)}),
+               (jnp.float32(1.0), jnp.float32(1.0), {"correct": jnp.float32(1.0),
+                                                     "targets": jnp.float32(1.0)})]
+    out = finish_eval(results)
+    assert out == pytest.approx({"loss": 7.0 / 4.0, "accuracy": 0.5})
