@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from train_cases import tiny
 
 from tfx.models import create
 from tfx.train.objectives import causal_lm, masked_lm, sequence_to_sequence
-from train_cases import tiny
 
 
 def _log_softmax(logits):

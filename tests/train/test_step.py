@@ -10,12 +10,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from train_cases import tiny
 
 from tfx.models import create
 from tfx.train.objectives import causal_lm, sequence_to_sequence
 from tfx.train.optim import make_optimizer
 from tfx.train.step import finish_eval, init_train_state, make_eval_step, make_train_step
-from train_cases import tiny
 
 
 def _setup(name, **model_changes):

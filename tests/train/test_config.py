@@ -1,0 +1,66 @@
+"""Experiment configs: validation, the stored form, and the registry."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from tfx.ops.positional import YaRNScaling
+from tfx.train.config import DataConfig, Experiment, TrainConfig, experiment_from_dict, run_identity
+from tfx.train.experiments import EXPERIMENTS, get_experiment
+
+
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+def test_stored_form_round_trips(name):
+    experiment = EXPERIMENTS[name]
+    assert experiment_from_dict(json.loads(json.dumps(experiment.to_dict()))) == experiment
+
+
+def test_rope_scaling_objects_round_trip():
+    e = get_experiment("gpt_char")
+    scaled = dataclasses.replace(e, model=e.model.replace(
+        rope_scaling=YaRNScaling(factor=4.0, original_max_position_embeddings=256)))
+    assert experiment_from_dict(json.loads(json.dumps(scaled.to_dict()))) == scaled
+
+
+def test_loop_settings_are_not_part_of_a_runs_identity():
+    e = get_experiment("gpt_char")
+    chattier = dataclasses.replace(e, train=dataclasses.replace(e.train, log_every=1,
+                                                                checkpoint_every=7))
+    longer = dataclasses.replace(e, train=dataclasses.replace(e.train, steps=e.train.steps + 1))
+    assert run_identity(chattier) == run_identity(e)
+    assert run_identity(longer) != run_identity(e)  # the schedule depends on steps
+
+
+def test_every_position_has_an_equal_footing_experiment():
+    names = [n for n in EXPERIMENTS if n.startswith("posenc_")]
+    assert {EXPERIMENTS[n].model.position for n in names} == {
+        "learned", "sinusoidal", "rope", "alibi", "t5", "xl", "none"}
+    reference = dataclasses.replace(EXPERIMENTS[names[0]].model, position="rope")
+    for n in names:
+        assert dataclasses.replace(EXPERIMENTS[n].model, position="rope") == reference
+        assert EXPERIMENTS[n].train == EXPERIMENTS[names[0]].train
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(steps=0), "steps"), (dict(batch_size=6, grad_accum=4), "grad_accum"),
+    (dict(log_every=0), "log_every")])
+def test_bad_train_settings(changes, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**changes)
+
+
+def test_experiment_checks_model_family_and_task():
+    e = get_experiment("gpt_char")
+    with pytest.raises(TypeError, match="EncoderConfig"):
+        dataclasses.replace(e, objective="mlm")
+    with pytest.raises(ValueError, match=r"data\.task"):
+        dataclasses.replace(get_experiment("seq2seq_reverse"), data=DataConfig())
+    learned = e.model.replace(position="learned", max_len=64)
+    with pytest.raises(ValueError, match="seq_len"):
+        dataclasses.replace(e, model=learned)
+    with pytest.raises(ValueError, match="unknown experiment 'nope'"):
+        get_experiment("nope")
+    assert isinstance(get_experiment(), Experiment)
