@@ -29,10 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     if rest and args.command != "train":
         parser.error(f"unrecognised arguments: {' '.join(rest)}")
     try:
-        if args.coordinator_address or args.num_processes:
-            from tfx.parallel import initialize
+        from tfx.parallel import initialize
 
-            initialize(args.coordinator_address, args.num_processes, args.process_id)
+        # Multi-process runs (flags or TFX_* environment variables); one process: nothing.
+        initialize(args.coordinator_address, args.num_processes, args.process_id)
         return _COMMANDS[args.command](args, rest)
     except (ValueError, TypeError) as error:  # a bad config, data path or workdir
         print(f"tfx {args.command}: error: {error}", file=sys.stderr)
@@ -161,7 +161,7 @@ def _restored(workdir: Path):
         raise SystemExit(f"tfx: no trained run in {workdir} (missing {config}); "
                          f"train one with `tfx train --workdir {workdir}`")
     experiment = experiment_from_dict(json.loads(config.read_text()))
-    trainer = Trainer(experiment, workdir)
+    trainer = Trainer(experiment, workdir, sharded=False)
     if trainer.restore() == 0:
         raise SystemExit(f"tfx: {workdir} holds no checkpoint yet")
     return trainer

@@ -106,12 +106,14 @@ class MeshConfig:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    expert: int = 1
 
     def __post_init__(self):
         if self.data != -1:
             _at_least("data", self.data, 1)
         _at_least("fsdp", self.fsdp, 1)
         _at_least("tensor", self.tensor, 1)
+        _at_least("expert", self.expert, 1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -158,8 +160,10 @@ LOOP_ONLY = ("log_every", "eval_every", "eval_batches", "checkpoint_every", "kee
 
 
 def run_identity(experiment: Experiment) -> dict:
-    """What makes two runs the same run: the experiment without LOOP_ONLY settings."""
+    """What makes two runs the same run: the experiment without LOOP_ONLY settings and the
+    mesh (a run may resume on another topology: orbax reshards the checkpoint)."""
     identity = experiment.to_dict()
+    identity.pop("mesh")
     identity["train"] = {k: v for k, v in identity["train"].items() if k not in LOOP_ONLY}
     return identity
 

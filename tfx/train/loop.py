@@ -21,6 +21,7 @@ import jax
 from flax import nnx
 from tqdm.auto import tqdm
 
+from tfx import parallel
 from tfx.models.presets import create
 from tfx.train.checkpoint import Checkpoints
 from tfx.train.config import Experiment, run_identity
@@ -52,9 +53,10 @@ class TrainResult:
 
 class Trainer:
     """An experiment's model, train state and compiled steps (shared by `train`, `tfx eval`
-    and `tfx sample`)."""
+    and `tfx sample`). sharded: with several devices, spread the state and batches over the
+    mesh of `experiment.mesh`; False keeps everything on the default device."""
 
-    def __init__(self, experiment: Experiment, workdir: str | Path):
+    def __init__(self, experiment: Experiment, workdir: str | Path, *, sharded: bool = True):
         self.experiment = experiment
         self.workdir = Path(workdir)
         self.feed = Feed(experiment)  # reads the data first: a bad path fails before any work
@@ -67,10 +69,12 @@ class Trainer:
         self.graphdef, self.rest, self.state = init_train_state(model, self.optimizer,
                                                                 seed=t.seed)
         self.state_sharding = self.batch_sharding = None
-        if jax.device_count() > 1:
-            from tfx import parallel
-
+        if sharded and jax.device_count() > 1:  # one device: plain jit, no mesh
             mesh = parallel.mesh_from_config(experiment.mesh)
+            rows = t.grad_accum * mesh.size // mesh.shape["tensor"]
+            if t.batch_size % rows:
+                raise ValueError(f"train.batch_size ({t.batch_size}) must be a multiple of "
+                                 f"grad_accum x data x fsdp x expert = {rows}")
             self.state_sharding = parallel.state_shardings(self.state, mesh)
             self.batch_sharding = parallel.batch_sharding(mesh)
             self.state = parallel.shard(self.state, self.state_sharding)
@@ -110,11 +114,11 @@ class Trainer:
         return finish_eval(results)
 
     def _device(self, batch: dict):
+        """A numpy batch (the same in every process) -> device arrays, sharded by rows."""
         if self.batch_sharding is None:
             return jax.device_put(batch)
-        from tfx import parallel
-
-        return parallel.global_batch(parallel.process_rows(batch), self.batch_sharding)
+        rows = parallel.process_rows(batch, self.batch_sharding)
+        return parallel.global_batch(rows, self.batch_sharding)
 
     def close(self) -> None:
         self.checkpoints.close()
@@ -132,13 +136,15 @@ def train(experiment: Experiment, workdir: str | Path, *, progress: bool = True)
 def _run(trainer: Trainer, *, progress: bool) -> TrainResult:
     e, t = trainer.experiment, trainer.experiment.train
     start = trainer.restore()
-    writer = MetricsWriter(trainer.workdir, resume_step=start)
+    lead = jax.process_index() == 0  # the process that logs
+    writer = MetricsWriter(trainer.workdir, resume_step=start, enabled=lead)
     flops_per_step = trainer.feed.tokens_per_batch * training_flops_per_token(
         e.model, parameter_count(trainer.state.params), t.seq_len)
     peak = matmul_peak_flops()
     validation, step = {}, start
-    bar = tqdm(total=t.steps, initial=start, desc=e.name, disable=not progress,
+    bar = tqdm(total=t.steps, initial=start, desc=e.name, disable=not (progress and lead),
                dynamic_ncols=True)
+    say = bar.write if lead else lambda _: None
     with writer, bar, _stop_on_signal() as stop:
         clock, clock_step = time.perf_counter(), start
         for step in range(start + 1, t.steps + 1):
@@ -158,17 +164,17 @@ def _run(trainer: Trainer, *, progress: bool) -> TrainResult:
             if step % t.eval_every == 0 or step == t.steps:
                 validation = trainer.evaluate()
                 writer.write(step, validation, split="val")
-                bar.write(f"step {step}: " + ", ".join(f"val {k} {v:.4g}"
-                                                       for k, v in validation.items()))
+                say(f"step {step}: " + ", ".join(f"val {k} {v:.4g}"
+                                                 for k, v in validation.items()))
                 clock, clock_step = time.perf_counter(), step  # tokens/s leaves eval out
             if step % t.checkpoint_every == 0 or step == t.steps or stop.is_set():
                 trainer.checkpoints.save(step, trainer.state.to_dict())
                 clock, clock_step = time.perf_counter(), step
             if stop.is_set():
-                bar.write(f"stopped by a signal after step {step}; the same command resumes")
+                say(f"stopped by a signal after step {step}; the same command resumes")
                 break
     interrupted = stop.is_set()
-    if jax.process_index() == 0:
+    if lead:
         plot_losses(read_metrics(writer.path), trainer.workdir / "loss.png", title=e.name)
     return TrainResult(step=step, interrupted=interrupted, validation=validation)
 

@@ -12,10 +12,15 @@ __all__ = ["MetricsWriter", "plot_losses", "read_metrics"]
 
 class MetricsWriter:
     """Appends {"step", "split", ...metrics} records; resuming a run keeps the earlier lines
-    up to the step it resumes from (later ones belong to work that is being redone)."""
+    up to the step it resumes from (later ones belong to work that is being redone).
+    enabled=False (processes other than the first of a multi-process run) writes nothing."""
 
-    def __init__(self, workdir: str | Path, *, resume_step: int = 0, tensorboard: bool = True):
+    def __init__(self, workdir: str | Path, *, resume_step: int = 0, tensorboard: bool = True,
+                 enabled: bool = True):
         self.path = Path(workdir) / "metrics.jsonl"
+        self.enabled = enabled
+        if not enabled:
+            return
         kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -27,6 +32,8 @@ class MetricsWriter:
                                               purge_step=resume_step + 1 if resume_step else None)
 
     def write(self, step: int, metrics: dict, *, split: str = "train") -> None:
+        if not self.enabled:
+            return
         record = {"step": int(step), "split": split,
                   **{k: float(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
@@ -42,6 +49,8 @@ class MetricsWriter:
         self.close()
 
     def close(self) -> None:
+        if not self.enabled:
+            return
         self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()

@@ -88,7 +88,10 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
         if grad_accum == 1:
             grads, total, count, sums = sums_and_grads(state.params, batch, rng)
         else:
-            micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
+            # Micro-batch i takes rows i, i + grad_accum, ...: strided, so that each micro-batch
+            # stays spread over every device of a sharded batch axis.
+            micro = jax.tree.map(
+                lambda x: x.reshape(-1, grad_accum, *x.shape[1:]).swapaxes(0, 1), batch)
 
             def accumulate(carry, xs):
                 index, micro_batch = xs

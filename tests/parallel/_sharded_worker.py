@@ -1,0 +1,51 @@
+"""Worker for test_training.py (run as a script): the tiny training run of _train_case.py on
+one device and on several meshes of 8 CPU devices, written to OUT.npz (params) and OUT.json,
+with a few checks of the batch helpers on such a mesh.
+
+    python _sharded_worker.py OUT
+"""
+
+import os
+
+# Before jax starts: 8 CPU devices, and the fastest compilation (the run is tiny).
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
+                           "--xla_backend_optimization_level=0")
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import json
+import sys
+
+import numpy as np
+from _train_case import train
+
+from tfx.parallel import batch_sharding, global_batch, make_mesh, process_row_range
+
+# name -> (mesh axes or None for one device, grad_accum)
+CASES = {
+    "single": (None, 1),
+    "data8": (dict(data=8), 1),
+    "fsdp8": (dict(data=1, fsdp=8), 1),
+    "data2_fsdp2_tensor2": (dict(data=2, fsdp=2, tensor=2), 1),
+    "fsdp8_accum2": (dict(data=1, fsdp=8), 2),
+}
+
+if __name__ == "__main__":
+    out, report, arrays = sys.argv[1], {}, {}
+    for name, (axes, grad_accum) in CASES.items():
+        result = train(None if axes is None else make_mesh(**axes), grad_accum=grad_accum)
+        arrays.update({f"{name}:{path}": value for path, value in result.pop("params").items()})
+        report[name] = result
+        print(name, result["losses"], flush=True)
+    rows = batch_sharding(make_mesh(data=2, fsdp=2, tensor=2))  # 4 row shards
+    report["row_range"] = process_row_range(16, rows)
+    try:
+        process_row_range(10, rows)
+    except ValueError as e:
+        report["uneven_batch"] = str(e)
+    try:
+        global_batch(np.zeros((6, 3)), rows)
+    except ValueError as e:
+        report["uneven_rows"] = str(e)
+    np.savez(out + ".npz", **arrays)
+    with open(out + ".json", "w") as f:
+        json.dump(report, f)

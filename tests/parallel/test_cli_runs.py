@@ -1,0 +1,89 @@
+"""`tfx train` itself on a mesh of 8 CPU devices and as two processes joined by
+jax.distributed: both end where a one-device run of the same experiment ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+from parallel._train_case import assert_same_training
+from parallel.test_multiprocess import free_port
+from test_cli import TINY
+from train_cases import write_corpus
+
+from tfx.train.config import experiment_from_dict
+from tfx.train.loop import Trainer
+from tfx.train.metrics import read_metrics
+
+STEPS = 4
+
+
+def _command(workdir, corpus, *extra, prefix=()):
+    return [sys.executable, "-m", "tfx", *prefix, "train", "--workdir", str(workdir),
+            "--steps", str(STEPS), "--log-every", "1", "--checkpoint-every", str(STEPS),
+            "--data", str(corpus), *TINY, *extra]
+
+
+def _env(devices: int = 1) -> dict:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    for name in ("TFX_COORDINATOR_ADDRESS", "TFX_NUM_PROCESSES", "TFX_PROCESS_ID"):
+        env.pop(name, None)
+    return env
+
+
+def _run_all(commands_and_envs):
+    processes = [subprocess.Popen(c, env=e, text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT) for c, e in commands_and_envs]
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    for p, log in zip(processes, logs, strict=True):
+        assert p.returncode == 0, log[-4000:]
+
+
+def _result(workdir):
+    experiment = experiment_from_dict(json.loads(
+        (workdir / "checkpoints" / "config.json").read_text()))
+    trainer = Trainer(experiment, workdir)
+    assert trainer.restore() == STEPS
+    params = {"/".join(map(str, k)): np.asarray(v)
+              for k, v in nnx.to_flat_state(trainer.state.params)}
+    trainer.close()
+    losses = [r["loss"] for r in read_metrics(workdir / "metrics.jsonl") if r["split"] == "train"]
+    return losses, params, experiment.optim.learning_rate
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("single")
+    corpus = write_corpus(folder)
+    _run_all([(_command(folder / "run", corpus), _env())])
+    return corpus, _result(folder / "run")
+
+
+@pytest.mark.slow
+def test_a_sharded_run_matches_one_device(tmp_path, single):
+    corpus, (ref_losses, ref_params, lr) = single
+    _run_all([(_command(tmp_path / "run", corpus, "--mesh.data=2", "--mesh.fsdp=2",
+                        "--mesh.tensor=2"), _env(8))])
+    losses, params, _ = _result(tmp_path / "run")
+    assert_same_training(losses, params, ref_losses, ref_params, learning_rate=lr)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path, single):
+    corpus, (ref_losses, ref_params, lr) = single
+    address = f"127.0.0.1:{free_port()}"
+    _run_all([(_command(tmp_path / "run", corpus, prefix=(
+        "--coordinator-address", address, "--num-processes", "2", "--process-id", str(i))),
+        _env()) for i in range(2)])
+    losses, params, _ = _result(tmp_path / "run")
+    assert_same_training(losses, params, ref_losses, ref_params, learning_rate=lr)
