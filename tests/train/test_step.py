@@ -95,3 +95,21 @@ def test_finish_eval_weights_batches_by_their_targets():
                                                      "targets": jnp.float32(1.0)})]
     out = finish_eval(results)
     assert out == pytest.approx({"loss": 7.0 / 4.0, "accuracy": 0.5})
+
+
+@pytest.mark.parametrize("changes", [dict(dtype="bfloat16"), dict(remat=True)])
+def test_mixed_precision_and_remat_train_float32_weights(changes):
+    _, reference, optimizer = _setup("gpt_char")
+    _, model, _ = _setup("gpt_char", **changes)
+    batch = _tokens()
+    outcomes = []
+    for m in (reference, model):
+        graphdef, rest, state = init_train_state(m, optimizer, seed=0)
+        outcomes.append(make_train_step(graphdef, rest, optimizer, causal_lm)(state, batch))
+    (ref_state, ref_metrics), (state, metrics) = outcomes
+    leaves = jax.tree.leaves((state.params, state.opt_state))
+    assert all(x.dtype in (jnp.float32, jnp.int32) for x in leaves)  # master weights, moments
+    if changes.get("remat"):  # the same computation, recomputed in the backward pass
+        chex.assert_trees_all_close(state.params, ref_state.params, atol=1e-6)
+    else:  # bfloat16 matmuls: the loss within bfloat16 rounding of float32's
+        np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=2e-2)
