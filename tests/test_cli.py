@@ -142,3 +142,11 @@ def test_embed_matches_the_sentence_encoder(tmp_path, capsys):
     assert main(["embed", *texts, "--output", str(tmp_path / "e.npy")]) == 0
     expected = SentenceEncoder.from_folder(minilm.get_model_path()).embed(texts)
     np.testing.assert_allclose(np.load(tmp_path / "e.npy"), expected, atol=1e-6)
+
+
+def test_train_help_lists_the_experiments_fields(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "bert_mlm", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--workdir" in out and "--model.mask-token-id" in out and "--optim.learning-rate" in out

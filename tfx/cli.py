@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if rest and args.command != "train":
         parser.error(f"unrecognised arguments: {' '.join(rest)}")
+    if args.command == "train" and args.workdir is None and not args.help:
+        parser.error("tfx train: --workdir is required")
     try:
         from tfx.parallel import initialize
 
@@ -47,17 +49,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--process-id", type=int, help="multi-process runs: this one's index")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    train = commands.add_parser("train", help="train (or resume) an experiment",
-                                description="Train an experiment; unknown --a.b=value options "
-                                "override its fields (`tfx train NAME --help` lists them).")
+    train = commands.add_parser("train", help="train (or resume) an experiment", add_help=False,
+                                description="Train an experiment; --a.b=value options override "
+                                "its fields (listed below).")
+    train.add_argument("-h", "--help", action="store_true", help="this help and the "
+                       "experiment's fields")
     train.add_argument("experiment", nargs="?", help="experiment name (default: gpt_char); "
                        "`tfx experiments` lists them")
-    train.add_argument("--workdir", required=True, type=Path)
+    train.add_argument("--workdir", type=Path, help="where checkpoints and metrics go")
     train.add_argument("--steps", type=int, help="total optimiser steps (train.steps)")
     train.add_argument("--checkpoint-every", type=int, help="train.checkpoint_every")
     train.add_argument("--log-every", type=int, help="train.log_every")
     train.add_argument("--data", help="a text file or folder instead of the embedded corpus")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(print_train_help=train.print_help)
 
     sample = commands.add_parser("sample", help="generate text from a trained run")
     sample.add_argument("--workdir", required=True, type=Path)
@@ -89,6 +94,9 @@ def _train(args, rest: list[str]) -> int:
     from tfx.train.loop import train
 
     experiment = get_experiment(args.experiment)
+    if args.help:
+        args.print_train_help()
+        rest = ["--help"]
     shortcuts = {"steps": args.steps, "checkpoint_every": args.checkpoint_every,
                  "log_every": args.log_every}
     for name, value in shortcuts.items():
