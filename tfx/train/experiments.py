@@ -2,8 +2,9 @@
 overrides change fields (`--model.num_layers=4`).
 
 - gpt_char (the default): the char-gpt preset, a byte-level LLaMA-style GPT, trained on the
-  embedded corpus (the Python standard library's source) — the loss falls below 2 nats/byte
-  and samples look like Python within a few minutes on 2 CPU cores.
+  embedded corpus (the Python standard library's source): 300 steps of 16 x 128 bytes take
+  the validation loss from 5.5 to about 1.6 nats/byte, and the samples look like Python, in
+  a few minutes on 2 CPU cores.
 - bert_mlm: a small BERT pretrained with masked LM on the same bytes.
 - seq2seq_reverse: a small encoder–decoder learning to reverse strings.
 - posenc_<kind>: gpt_char at context 128 with each positional encoding, for comparisons on equal
@@ -28,7 +29,7 @@ SEQ2SEQ_SPECIALS = ("[PAD]", "[BOS]", "[EOS]")
 
 _GPT_CHAR = Experiment(
     name="gpt_char", objective="causal_lm", model=PRESETS["char-gpt"],
-    train=TrainConfig(steps=400, batch_size=16, seq_len=256, eval_every=100,
+    train=TrainConfig(steps=300, batch_size=16, seq_len=128, eval_every=100,
                       checkpoint_every=100),
     optim=OptimConfig(learning_rate=2e-3, warmup_steps=40))
 
