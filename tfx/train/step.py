@@ -112,9 +112,17 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
                    **_ratios(sums)}
         return new_state, metrics
 
-    if state_sharding is None:
-        return jax.jit(train_step, donate_argnums=0)
-    return jax.jit(train_step, donate_argnums=0, out_shardings=(state_sharding, None))
+    shardings = {} if state_sharding is None else {"out_shardings": (state_sharding, None)}
+    return jax.jit(train_step, donate_argnums=0, compiler_options=_compiler_options(),
+                   **shardings)
+
+
+def _compiler_options() -> dict | None:
+    """On CPU, turn off XLA's YNNPACK fusions: the training step's batched attention matmuls
+    and their transposes run about 1.4x faster (6-layer/384 GPT, benchmarks/train.py)."""
+    if jax.default_backend() != "cpu":
+        return None
+    return {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def make_eval_step(graphdef: nnx.GraphDef, rest: nnx.State, objective: Callable, *,
