@@ -18,11 +18,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import pathlib
-import subprocess
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +27,7 @@ from timing import (
     markdown_table,
     median_seconds,
     peak_rss_growth_mib,
+    provenance,
     publish,
     run_child,
     write_json,
@@ -234,14 +231,6 @@ def _ratio(ours, theirs):
     return None if ours is None or theirs is None else ours / theirs
 
 
-def _provenance() -> dict:
-    revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=pathlib.Path(__file__).parent).stdout.strip()
-    return {"command": " ".join(["python", "benchmarks/attention.py", *sys.argv[1:]]),
-            "revision": revision or "unknown", "date": time.strftime("%Y-%m-%d"),
-            "jax": jax.__version__, "cpus": os.cpu_count(), "python": sys.version.split()[0]}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")],
@@ -266,7 +255,7 @@ def main() -> None:
         return
     if args.quick:
         args.sizes, args.sparse_sizes, args.dtypes = [512, 1024, 2048], [4096], ["float32"]
-    results = _provenance()
+    results = provenance("attention.py")
     if args.update:
         previous = json.loads(pathlib.Path(args.update).read_text())
         for key in ("command", "revision", "date"):

@@ -29,7 +29,6 @@ import logging
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from timing import markdown_table, publish
+from timing import markdown_table, provenance, publish
 
 import tfx
 import tfx.hf
@@ -322,19 +321,6 @@ def render(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _provenance() -> dict:
-    import torch
-    import transformers
-
-    revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=pathlib.Path(__file__).parent).stdout.strip()
-    return {"command": " ".join(["python", "benchmarks/decode.py", *sys.argv[1:]]),
-            "revision": revision or "unknown", "date": time.strftime("%Y-%m-%d"),
-            "jax": jax.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "cpus": os.cpu_count(),
-            "python": sys.version.split()[0]}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")],
@@ -358,7 +344,8 @@ def main() -> None:
         sys.exit("torch and transformers are needed: pip install -e '.[bench]'")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
-    results = {**_provenance(), "repeats": args.repeats, "load_average_before": os.getloadavg()}
+    results = {**provenance("decode.py"), "repeats": args.repeats,
+               "load_average_before": os.getloadavg()}
     model = build_model()
     with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' notes on generation settings

@@ -3,6 +3,7 @@ child processes, and tables printed as markdown."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import statistics
@@ -76,3 +77,22 @@ def publish(report: str, results: dict, *, json_path: str | None,
     write_json(json_path, results)
     if markdown_path:
         pathlib.Path(markdown_path).write_text(report)
+
+
+def provenance(script: str) -> dict:
+    """Where a result comes from: the command, git revision, date, library versions (torch and
+    transformers when installed), CPU count and XLA_FLAGS."""
+    import os
+
+    import jax
+
+    revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=pathlib.Path(__file__).parent).stdout.strip()
+    versions = {"jax": jax.__version__}
+    for name in ("torch", "transformers"):
+        with contextlib.suppress(ImportError):
+            versions[name] = __import__(name).__version__
+    return {"command": " ".join(["python", f"benchmarks/{script}", *sys.argv[1:]]),
+            "revision": revision or "unknown", "date": time.strftime("%Y-%m-%d"), **versions,
+            "cpus": os.cpu_count(), "python": sys.version.split()[0],
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}

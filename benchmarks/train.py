@@ -33,7 +33,6 @@ import argparse
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from timing import markdown_table, publish
+from timing import markdown_table, provenance, publish
 
 import tfx.hf
 from tfx.models import PRESETS, DecoderConfig, create
@@ -262,19 +261,6 @@ def render(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _provenance() -> dict:
-    import torch
-    import transformers
-
-    revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=pathlib.Path(__file__).parent).stdout.strip()
-    return {"command": " ".join(["python", "benchmarks/train.py", *sys.argv[1:]]),
-            "revision": revision or "unknown", "date": time.strftime("%Y-%m-%d"),
-            "jax": jax.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "cpus": os.cpu_count(),
-            "python": sys.version.split()[0], "xla_flags": os.environ.get("XLA_FLAGS", "")}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", type=lambda s: s.split(","), default=list(CONFIGS),
@@ -313,7 +299,7 @@ def main() -> None:
         torch.set_num_threads(args.torch_threads)
     markdown = args.markdown or (str(pathlib.Path(args.json).with_suffix(".md"))
                                  if args.json else None)
-    results = {**_provenance(), "warmup": args.warmup, "repeats": args.repeats,
+    results = {**provenance("train.py"), "warmup": args.warmup, "repeats": args.repeats,
                "load_average_before": os.getloadavg()}
     peaks = [measure_peak()]
     results["configs"] = {}
