@@ -5,7 +5,9 @@ from tfx.models.config import DecoderConfig, EncoderConfig, EncoderDecoderConfig
 from tfx.models.decoder import Decoder
 from tfx.models.encoder import Encoder, token_types_from_separators
 from tfx.models.encoder_decoder import EncoderDecoder
+from tfx.models.moe_losses import aux_loss, moe_losses
 from tfx.models.presets import PRESETS, create
 
 __all__ = ["PRESETS", "Decoder", "DecoderConfig", "Encoder", "EncoderConfig", "EncoderDecoder",
-           "EncoderDecoderConfig", "TransformerConfig", "create", "token_types_from_separators"]
+           "EncoderDecoderConfig", "TransformerConfig", "aux_loss", "create", "moe_losses",
+           "token_types_from_separators"]

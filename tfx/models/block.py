@@ -11,6 +11,7 @@ from tfx.models.config import TransformerConfig
 from tfx.nn.attention import Attention, Rope
 from tfx.nn.dropout import make_dropout
 from tfx.nn.mlp import MLP
+from tfx.nn.moe import MoE
 from tfx.nn.norms import make_norm
 from tfx.ops.kv_cache import LayerKV
 
@@ -24,14 +25,14 @@ def dtypes(config: TransformerConfig) -> dict:
 
 
 class Block(nnx.Module):
-    """x -> x + attention -> [x + cross-attention] -> x + MLP.
+    """x -> x + attention -> [x + cross-attention] -> x + MLP (or mixture of experts, `moe`).
 
     Pre-norm (GPT-2, LLaMA, T5): x + f(norm(x)); post-norm (BERT, original Transformer):
     norm(x + f(x)). Dropout is applied to each branch before the residual sum.
     """
 
     def __init__(self, config: TransformerConfig, *, cross_attention: bool = False,
-                 rngs: nnx.Rngs):
+                 moe: bool = False, rngs: nnx.Rngs):
         c = config
         kinds = dtypes(c)
         rope = None
@@ -52,8 +53,15 @@ class Block(nnx.Module):
         self.attention_norm = norm()
         self.cross_attention = attention() if cross_attention else None
         self.cross_norm = norm() if cross_attention else None
-        self.mlp = MLP(c.d_model, c.d_ff, activation=c.activation, gated=c.gated_mlp,
-                       use_bias=c.use_bias, rngs=rngs, **kinds)
+        if moe:
+            self.mlp = MoE(c.d_model, c.moe_d_ff or c.d_ff, num_experts=c.num_experts,
+                           experts_per_token=c.experts_per_token, activation=c.activation,
+                           gated=c.gated_mlp, capacity_factor=c.capacity_factor,
+                           policy=c.router_policy, jitter=c.router_jitter,
+                           implementation=c.moe_dispatch, rngs=rngs, **kinds)
+        else:
+            self.mlp = MLP(c.d_model, c.d_ff, activation=c.activation, gated=c.gated_mlp,
+                           use_bias=c.use_bias, rngs=rngs, **kinds)
         self.mlp_norm = norm()
         self.dropout = make_dropout(c.dropout, rngs=rngs)
 

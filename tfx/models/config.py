@@ -11,6 +11,7 @@ import dataclasses
 
 from tfx.nn.mlp import ACTIVATIONS
 from tfx.nn.norms import NORMS
+from tfx.ops import moe
 from tfx.ops.attention import IMPLEMENTATIONS
 from tfx.ops.positional import RopeScaling
 
@@ -56,6 +57,19 @@ class TransformerConfig:
     param_dtype: str = "float32"
     remat: bool = False  # rematerialise each layer in the backward pass
     scan_layers: bool = False  # stack layer weights [num_layers, ...] and run them in nnx.scan
+    # Mixture of experts (tfx.ops.moe): with num_experts > 0, layer i (0-based) has an MoE in
+    # place of its MLP when (i + 1) % moe_every == 0; experts are MLPs of width moe_d_ff
+    # (default d_ff) with the activation and gating above, and no biases.
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_every: int = 1
+    moe_d_ff: int | None = None
+    capacity_factor: float | None = None  # None: dropless
+    router_policy: str = "topk"
+    router_jitter: float = 0.0
+    moe_dispatch: str = "sorted"
+    load_balancing_weight: float = 0.01  # weights of the auxiliary losses in the training loss
+    router_z_weight: float = 0.001
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len",
@@ -82,6 +96,37 @@ class TransformerConfig:
             raise ValueError(f"norm_eps must be > 0, got {self.norm_eps}")
         if not 0.0 < self.rope_fraction <= 1.0:
             raise ValueError(f"rope_fraction must be in (0, 1], got {self.rope_fraction}")
+        self._check_moe()
+
+    def _check_moe(self):
+        _positive_int("num_experts", self.num_experts, minimum=0)
+        for name in ("experts_per_token", "moe_every"):
+            _positive_int(name, getattr(self, name))
+        if self.moe_d_ff is not None:
+            _positive_int("moe_d_ff", self.moe_d_ff)
+        if self.num_experts and self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts_per_token ({self.experts_per_token}) must be <= "
+                             f"num_experts ({self.num_experts})")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0 or None (dropless), got "
+                             f"{self.capacity_factor}")
+        _one_of("router_policy", self.router_policy, moe.POLICIES)
+        if self.router_policy == "gshard" and self.experts_per_token != 2:
+            raise ValueError("router_policy 'gshard' routes to 2 experts: experts_per_token "
+                             f"must be 2, got {self.experts_per_token}")
+        if not 0.0 <= self.router_jitter < 1.0:
+            raise ValueError(f"router_jitter must be in [0, 1), got {self.router_jitter}")
+        _one_of("moe_dispatch", self.moe_dispatch, moe.IMPLEMENTATIONS)
+        for name in ("load_balancing_weight", "router_z_weight"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_experts and self.scan_layers and self.moe_every != 1:
+            raise ValueError(f"scan_layers runs one kind of layer: with num_experts > 0 it needs "
+                             f"moe_every=1, got {self.moe_every}")
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` (0-based) has a mixture of experts in place of its MLP."""
+        return self.num_experts > 0 and (index + 1) % self.moe_every == 0
 
     @property
     def kv_heads(self) -> int:
@@ -142,11 +187,11 @@ class EncoderDecoderConfig(TransformerConfig):
         return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
 
 
-def _positive_int(name: str, value) -> None:
+def _positive_int(name: str, value, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _causal_only(config: TransformerConfig) -> None:

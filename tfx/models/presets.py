@@ -32,6 +32,13 @@ PRESETS = {
                               num_kv_heads=2, d_ff=1024, max_len=256, position="rope",
                               norm="rms", norm_eps=1e-6, use_bias=False, activation="silu",
                               gated_mlp=True, tie_embeddings=True),
+    # char-gpt with 8 SwiGLU experts of width 512 in every layer, top-2: the same active
+    # parameters per token as char-gpt's d_ff of 1024, four times its MLP parameters.
+    "char-moe": DecoderConfig(vocab_size=256, d_model=256, num_layers=4, num_heads=4,
+                              num_kv_heads=2, d_ff=1024, max_len=256, position="rope",
+                              norm="rms", norm_eps=1e-6, use_bias=False, activation="silu",
+                              gated_mlp=True, tie_embeddings=True, num_experts=8,
+                              experts_per_token=2, moe_d_ff=512),
     # Encoder–decoders.
     "t5-small": EncoderDecoderConfig(vocab_size=32128, d_model=512, num_layers=6, num_heads=8,
                                      d_ff=2048, position="t5", norm="rms", norm_eps=1e-6,

@@ -84,12 +84,14 @@ class Stack(nnx.Module):
             @nnx.split_rngs(splits=count)
             @nnx.vmap(in_axes=(0,), out_axes=0)
             def stacked(rngs):
-                return Block(c, cross_attention=cross_attention, rngs=rngs)
+                return Block(c, cross_attention=cross_attention, moe=c.is_moe_layer(0),
+                             rngs=rngs)
 
             self.layers = stacked(rngs)
         else:
-            self.layers = nnx.List([Block(c, cross_attention=cross_attention, rngs=rngs)
-                                    for _ in range(count)])
+            self.layers = nnx.List([
+                Block(c, cross_attention=cross_attention, moe=c.is_moe_layer(i), rngs=rngs)
+                for i in range(count)])
         self.final_norm = (make_norm(c.norm, c.d_model, epsilon=c.norm_eps, rngs=rngs, **kinds)
                            if c.pre_norm else None)
         self.dropout = make_dropout(c.dropout, rngs=rngs)

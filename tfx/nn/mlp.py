@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from tfx.nn.dropout import make_dropout
+from tfx.ops.activations import ACTIVATIONS
 
 __all__ = ["ACTIVATIONS", "MLP"]
-
-ACTIVATIONS = {
-    "gelu": functools.partial(jax.nn.gelu, approximate=False),  # exact erf GELU (BERT)
-    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),  # GPT-2's "gelu_new"
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-}
 
 
 class MLP(nnx.Module):

@@ -7,6 +7,8 @@ overrides change fields (`--model.num_layers=4`).
   a few minutes on 2 CPU cores.
 - bert_mlm: a small BERT pretrained with masked LM on the same bytes.
 - seq2seq_reverse: a small encoder–decoder learning to reverse strings.
+- moe_gpt: gpt_char with a mixture of 8 experts (top-2, dropless) in every layer, the same
+  active parameters per token, and the load-balancing and router z losses in the loss.
 - posenc_<kind>: gpt_char at context 128 with each positional encoding, for comparisons on equal
   footing (learned, sinusoidal, rope, t5, xl, alibi, none).
 """
@@ -56,6 +58,9 @@ _SEQ2SEQ_REVERSE = Experiment(
     label_smoothing=0.1)
 
 
+_MOE_GPT = dataclasses.replace(_GPT_CHAR, name="moe_gpt", model=PRESETS["char-moe"])
+
+
 def _posenc(position: str) -> Experiment:
     return dataclasses.replace(
         _GPT_CHAR, name=f"posenc_{position}",
@@ -64,7 +69,7 @@ def _posenc(position: str) -> Experiment:
 
 
 EXPERIMENTS: dict[str, Experiment] = {
-    e.name: e for e in (_GPT_CHAR, _BERT_MLM, _SEQ2SEQ_REVERSE,
+    e.name: e for e in (_GPT_CHAR, _MOE_GPT, _BERT_MLM, _SEQ2SEQ_REVERSE,
                         *(_posenc(p) for p in POSITIONS))}
 
 

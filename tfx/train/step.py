@@ -15,7 +15,14 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-__all__ = ["TrainState", "finish_eval", "init_train_state", "make_eval_step", "make_train_step"]
+from tfx.models import aux_loss, moe_losses
+
+__all__ = ["MOE_METRICS", "TrainState", "finish_eval", "init_train_state", "make_eval_step",
+           "make_train_step"]
+
+
+# Training metrics of models with experts (means over MoE layers, tfx.models.moe_losses).
+MOE_METRICS = ("load_balancing_loss", "router_z_loss")
 
 
 @struct.dataclass
@@ -53,9 +60,9 @@ def _merge(graphdef, params, rest, rng, *, train: bool):
     # Fresh Variables for the non-parameter state (dropout's RNG counters) in the current
     # trace: NNX refuses to mutate a Variable created in an outer trace.
     model = nnx.merge(graphdef, params, jax.tree.map(lambda x: x, rest))
-    if train and getattr(model.config, "dropout", 0.0) > 0:
-        key = jax.random.fold_in(rng, 1)  # dropout draws from its own stream or the default
-        nnx.reseed(model, default=key, dropout=key)
+    if train:  # dropout and router noise draw from their own streams or the default one
+        key = jax.random.fold_in(rng, 1)
+        nnx.reseed(model, default=key, dropout=key, router=key)
     model.train() if train else model.eval()
     return model
 
@@ -68,8 +75,9 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
 
     objective: `(model, batch, rng, **objective_kwargs) -> (loss_sum, count, metric_sums)`
       (see tfx.train.objectives). batch: dict of arrays with a leading [batch] axis divisible
-      by grad_accum. metrics: float32 scalars "loss" (mean over targets), "grad_norm",
-      "accuracy" and the objective's own sums divided by their counts.
+      by grad_accum. metrics: float32 scalars "loss" (mean over targets, plus the weighted
+      MoE auxiliary losses of a model with experts), "grad_norm", "accuracy", the objective's
+      own sums divided by their counts, and MOE_METRICS for a model with experts.
     state_sharding: a TrainState of shardings to keep the state on (tfx.parallel); the state
       argument is donated.
     """
@@ -77,8 +85,9 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
 
     def sums_and_grads(params, batch, rng):
         def loss_sum(p):
-            total, count, metrics = objective(_merge(graphdef, p, rest, rng, train=True),
-                                              batch, jax.random.fold_in(rng, 0), **kwargs)
+            model = _merge(graphdef, p, rest, rng, train=True)
+            total, count, metrics = objective(model, batch, jax.random.fold_in(rng, 0), **kwargs)
+            total, metrics = _add_moe_losses(model, total, count, metrics)
             return total, (count, metrics)
         (total, (count, metrics)), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
         return grads, total, count, metrics
@@ -147,9 +156,21 @@ def finish_eval(results: list) -> dict:
             **{k: float(v) for k, v in _ratios(sums).items()}}
 
 
+def _add_moe_losses(model, total, count, metrics):
+    """Add the weighted MoE auxiliary losses (once per target, so that the mean over targets
+    is cross-entropy + aux) and their values as metric sums; no-op without experts."""
+    if not getattr(model.config, "num_experts", 0):
+        return total, metrics
+    losses = moe_losses(model)
+    metrics = {**metrics, **{name: value * count for name, value in losses.items()}}
+    return total + count * aux_loss(model), metrics
+
+
 def _ratios(sums: dict) -> dict:
-    """Metric sums -> rates: correct/targets -> accuracy, exact/sequences -> exact_match."""
-    out = {}
+    """Metric sums -> rates: correct/targets -> accuracy, exact/sequences -> exact_match, MoE
+    loss sums / targets -> their means."""
+    out = {name: sums[name] / jnp.maximum(sums["targets"], 1.0) for name in MOE_METRICS
+           if name in sums}
     if "correct" in sums:
         out["accuracy"] = sums["correct"] / jnp.maximum(sums["targets"], 1.0)
     if "exact" in sums:

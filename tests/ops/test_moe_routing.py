@@ -1,0 +1,209 @@
+"""Tests for tfx.ops.moe.route against values computed by hand and formulas written out here.
+
+References: Switch Transformer (load-balancing loss E·Σ f_i·P_i, balanced = 1, collapsed = E;
+top-1 weight = the router probability), ST-MoE (z-loss = mean logsumexp², (ln E)² for zero
+logits), GShard (top-2, second expert kept with probability min(1, 2·g2), first choices take
+capacity before second choices), Mixtral (top-2 weights = softmax over the two top logits).
+"""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tfx.ops.moe import expert_capacity, route
+
+
+def _logits_preferring(experts_of_tokens, num_experts, strength=20.0):
+    """Logits where token t strongly prefers expert experts_of_tokens[t]."""
+    return jnp.asarray(strength * np.eye(num_experts)[np.asarray(experts_of_tokens)],
+                       jnp.float32)
+
+
+class TestLosses:
+    def test_balanced_load_scores_one(self):
+        logits = _logits_preferring(np.arange(32) % 8, 8)
+        routing = route(logits, num_selected=1)
+        np.testing.assert_allclose(routing.load_balancing_loss, 1.0, rtol=1e-6)
+
+    def test_uniform_probabilities_score_one_whatever_the_choice(self):
+        # P_i = 1/E for every expert, so E·Σ f_i/E = Σ f_i = 1.
+        routing = route(jnp.zeros((10, 4)), num_selected=2)
+        np.testing.assert_allclose(routing.load_balancing_loss, 1.0, rtol=1e-6)
+
+    @pytest.mark.parametrize("num_experts", [2, 4, 16])
+    def test_collapsed_router_scores_num_experts(self, num_experts):
+        routing = route(_logits_preferring(np.zeros(12, int), num_experts, 50.0),
+                        num_selected=1)
+        np.testing.assert_allclose(routing.load_balancing_loss, num_experts, rtol=1e-5)
+
+    def test_load_balancing_formula(self):
+        logits = jax.random.normal(jax.random.key(0), (20, 5))
+        routing = route(logits, num_selected=2)
+        probs = np.asarray(jax.nn.softmax(logits))
+        top2 = np.argsort(-probs, axis=1)[:, :2]
+        f = np.bincount(top2.ravel(), minlength=5) / (20 * 2)
+        expected = 5 * np.sum(f * probs.mean(0))
+        np.testing.assert_allclose(routing.load_balancing_loss, expected, rtol=1e-5)
+
+    @pytest.mark.parametrize("num_experts", [2, 8, 64])
+    def test_z_loss_of_zero_logits_is_log_e_squared(self, num_experts):
+        routing = route(jnp.zeros((6, num_experts)), num_selected=1)
+        np.testing.assert_allclose(routing.router_z_loss, math.log(num_experts) ** 2, rtol=1e-6)
+
+    def test_z_loss_formula(self):
+        logits = 3.0 * jax.random.normal(jax.random.key(1), (7, 6))
+        lse = np.log(np.exp(np.asarray(logits, np.float64)).sum(-1))
+        routing = route(logits, num_selected=2)
+        np.testing.assert_allclose(routing.router_z_loss, np.mean(lse**2), rtol=1e-5)
+
+    def test_losses_have_gradients(self):
+        logits = jax.random.normal(jax.random.key(2), (16, 4))
+
+        def total(x):
+            r = route(x, num_selected=2)
+            return r.load_balancing_loss + r.router_z_loss + r.weights.sum()
+
+        grad = jax.grad(total)(logits)
+        assert np.all(np.isfinite(grad)) and np.abs(grad).sum() > 0
+
+
+class TestTopK(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_weights_are_renormalised_top_k_probabilities(self):
+        logits = jax.random.normal(jax.random.key(3), (9, 6))
+        routing = self.variant(lambda x: route(x, num_selected=3))(logits)
+        probs = np.asarray(jax.nn.softmax(logits))
+        order = np.argsort(-probs, axis=1)[:, :3]
+        top = np.take_along_axis(probs, order, 1)
+        np.testing.assert_array_equal(routing.expert_ids, order)
+        np.testing.assert_allclose(routing.weights, top / top.sum(1, keepdims=True), rtol=1e-5)
+        chex.assert_type([routing.expert_ids, routing.weights], [jnp.int32, jnp.float32])
+        chex.assert_shape([routing.expert_ids, routing.weights, routing.kept, routing.slot],
+                          (9, 3))
+        assert routing.kept.all() and routing.capacity is None
+
+    def test_mixtral_top2_equals_softmax_over_the_two_logits(self):
+        logits = jax.random.normal(jax.random.key(4), (11, 8))
+        routing = route(logits, num_selected=2)
+        chosen = np.take_along_axis(np.asarray(logits), np.asarray(routing.expert_ids), 1)
+        np.testing.assert_allclose(routing.weights, jax.nn.softmax(chosen), rtol=1e-5)
+
+    def test_switch_top1_weight_is_the_probability(self):
+        logits = jax.random.normal(jax.random.key(5), (8, 4))
+        routing = route(logits, num_selected=1)
+        np.testing.assert_allclose(routing.weights[:, 0], jax.nn.softmax(logits).max(1),
+                                   rtol=1e-6)
+        forced = route(logits, num_selected=1, renormalize=True)
+        np.testing.assert_allclose(forced.weights, 1.0)
+
+    def test_router_computes_in_float32(self):
+        logits = jax.random.normal(jax.random.key(6), (8, 4)).astype(jnp.bfloat16)
+        routing = route(logits, num_selected=2)
+        chex.assert_type(routing.weights, jnp.float32)
+
+
+class TestCapacity:
+    def test_capacity_formula(self):
+        assert expert_capacity(8192, 64, 2, 1.25) == 320
+        assert expert_capacity(10, 4, 1, 1.0) == 3  # ceil(2.5)
+        assert expert_capacity(10, 4, 1, None) is None
+
+    def test_keeps_the_first_c_tokens_by_position(self):
+        # 8 tokens all want expert 0; C = ceil(1.0 · 8 · 1 / 4) = 2.
+        routing = route(_logits_preferring(np.zeros(8, int), 4), num_selected=1,
+                        capacity_factor=1.0)
+        assert routing.capacity == 2
+        np.testing.assert_array_equal(routing.slot[:, 0], np.arange(8))
+        np.testing.assert_array_equal(routing.kept[:, 0], np.arange(8) < 2)
+
+    def test_first_choices_take_slots_before_second_choices(self):
+        # Two experts, k = 2: tokens 0, 2, 3 prefer expert 0, token 1 prefers expert 1.
+        # C = ceil(0.5 · 4 · 2 / 2) = 2. Expert 0's queue: first choices 0, 2, 3, then token 1;
+        # expert 1's queue: token 1, then the second choices of tokens 0, 2, 3.
+        logits = jnp.asarray([[2.0, 0.0], [0.0, 2.0], [2.0, 0.0], [2.0, 0.0]])
+        routing = route(logits, num_selected=2, capacity_factor=0.5)
+        assert routing.capacity == 2
+        np.testing.assert_array_equal(routing.expert_ids, [[0, 1], [1, 0], [0, 1], [0, 1]])
+        np.testing.assert_array_equal(routing.slot, [[0, 1], [0, 3], [1, 2], [2, 3]])
+        np.testing.assert_array_equal(routing.kept, [[True, True], [True, False],
+                                                     [True, False], [False, False]])
+
+    def test_batch_prioritised_routing_keeps_the_most_confident(self):
+        strength = jnp.asarray([1.0, 5.0, 2.0, 9.0, 3.0, 0.5])
+        logits = jnp.stack([strength, jnp.zeros(6)], 1)  # all prefer expert 0, some more
+        routing = route(logits, num_selected=1, capacity_factor=2 / 3, priority="probability")
+        assert routing.capacity == 2  # ceil(2/3 · 6 / 2)
+        np.testing.assert_array_equal(routing.kept[:, 0], [0, 1, 0, 1, 0, 0])
+
+    def test_dropless_keeps_everything(self):
+        logits = _logits_preferring(np.zeros(50, int), 4)
+        assert route(logits, num_selected=2).kept.all()
+
+    def test_token_mask_routes_nowhere_and_leaves_the_losses(self):
+        logits = jax.random.normal(jax.random.key(7), (12, 4))
+        mask = jnp.arange(12) < 9
+        routing = route(logits, num_selected=2, capacity_factor=1.0, token_mask=mask)
+        alone = route(logits[:9], num_selected=2)
+        assert not routing.kept[9:].any()
+        np.testing.assert_allclose(routing.load_balancing_loss, alone.load_balancing_loss,
+                                   rtol=1e-6)
+        np.testing.assert_allclose(routing.router_z_loss, alone.router_z_loss, rtol=1e-6)
+        # Padding takes no capacity: the real tokens get the same slots as alone.
+        np.testing.assert_array_equal(routing.slot[:9], alone.slot)
+
+
+class TestRandomness:
+    def test_gshard_keeps_the_second_expert_with_probability_two_g2(self):
+        logits = jax.random.normal(jax.random.key(8), (20000, 8))
+        routing = route(logits, num_selected=2, policy="gshard", rng=jax.random.key(9))
+        expected = np.mean(np.minimum(1.0, 2.0 * np.asarray(routing.weights[:, 1])))
+        np.testing.assert_allclose(routing.kept[:, 1].mean(), expected, atol=0.01)
+        assert routing.kept[:, 0].all()
+        assert route(logits, num_selected=2, policy="gshard").kept.all()  # no rng: keep all
+
+    def test_gshard_dropped_second_choices_take_no_capacity(self):
+        logits = jax.random.normal(jax.random.key(10), (64, 4))
+        routing = route(logits, num_selected=2, policy="gshard", rng=jax.random.key(0),
+                        capacity_factor=4.0)
+        selected = np.asarray(routing.kept)  # capacity 64: nothing dropped but randomly
+        for expert in range(4):
+            slots = np.asarray(routing.slot)[selected & (np.asarray(routing.expert_ids) == expert)]
+            np.testing.assert_array_equal(np.sort(slots), np.arange(len(slots)))
+
+    def test_jitter_changes_the_choice_only_with_a_key(self):
+        logits = jnp.zeros((256, 4)) + 1e-3 * jax.random.normal(jax.random.key(11), (256, 4))
+        plain = route(logits, num_selected=1, jitter=0.5)
+        np.testing.assert_array_equal(plain.expert_ids, route(logits, num_selected=1).expert_ids)
+        noisy = route(logits + 1.0, num_selected=1, jitter=0.5, rng=jax.random.key(12))
+        assert (noisy.expert_ids != plain.expert_ids).any()
+        np.testing.assert_allclose(noisy.router_z_loss,
+                                   route(logits + 1.0, num_selected=1).router_z_loss)
+
+
+class TestBadInput:
+    @pytest.mark.parametrize("kwargs, message", [
+        (dict(num_selected=5), "num_selected"),
+        (dict(num_selected=0), "num_selected"),
+        (dict(num_selected=1, capacity_factor=0.0), "capacity_factor"),
+        (dict(num_selected=1, capacity_factor=-1.0), "capacity_factor"),
+        (dict(num_selected=1, policy="expert_choice"), "policy"),
+        (dict(num_selected=1, policy="gshard"), "gshard"),
+        (dict(num_selected=1, jitter=1.5), "jitter"),
+        (dict(num_selected=1, priority="random"), "priority"),
+    ])
+    def test_bad_arguments(self, kwargs, message):
+        with pytest.raises(ValueError, match=message):
+            route(jnp.zeros((3, 4)), **kwargs)
+
+    @pytest.mark.parametrize("shape", [(4,), (2, 3, 4)])
+    def test_logits_of_the_wrong_rank(self, shape):
+        with pytest.raises(ValueError, match="router_logits"):
+            route(jnp.zeros(shape), num_selected=1)
+
+    def test_token_mask_of_the_wrong_shape(self):
+        with pytest.raises(ValueError, match="token_mask"):
+            route(jnp.zeros((3, 4)), num_selected=1, token_mask=jnp.ones((4,), bool))

@@ -1,0 +1,86 @@
+"""Mixture-of-experts feed-forward block: a router and E expert MLPs, calling tfx.ops.moe.
+
+The block records its routing losses in `nnx.Intermediate` variables on every call in train
+mode (`model.train()`); `tfx.models.moe_losses` collects them after a forward pass. In eval
+mode nothing is recorded and routing is deterministic (no jitter, GShard keeps every second
+choice), so an eval-mode model can be closed over by plain `jax.jit`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tfx.ops import moe
+
+__all__ = ["Experts", "MoE"]
+
+
+class Experts(nnx.Module):
+    """E expert MLPs stacked: `gate` (gated only) and `up` [E, d_model, d_ff], `down`
+    [E, d_ff, d_model], each initialised like an nnx.Linear kernel (LeCun normal per expert)."""
+
+    def __init__(self, num_experts: int, d_model: int, d_ff: int, *, gated: bool,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
+                                                    in_axis=-2, out_axis=-1, batch_axis=(0,))
+
+        def param(features_in, features_out):
+            shape = (num_experts, features_in, features_out)
+            return nnx.Param(init(rngs.params(), shape, param_dtype))
+
+        self.gate = param(d_model, d_ff) if gated else None
+        self.up = param(d_model, d_ff)
+        self.down = param(d_ff, d_model)
+
+    def weights(self) -> moe.ExpertWeights:
+        return moe.ExpertWeights(gate=None if self.gate is None else self.gate[...],
+                                 up=self.up[...], down=self.down[...])
+
+
+class MoE(nnx.Module):
+    """Route each token to `experts_per_token` of `num_experts` MLPs and sum their outputs,
+    weighted by the router (see `tfx.ops.moe.route` for the policies, capacity and losses).
+
+    Args:
+      d_model, d_ff: model width and each expert's hidden width.
+      num_experts, experts_per_token: E and k.
+      activation, gated: the experts' MLP form (gated silu = SwiGLU, as Mixtral).
+      capacity_factor: None for dropless routing.
+      policy: "topk" or "gshard". jitter: Switch's router noise in training.
+      implementation: the dispatch of tfx.ops.moe.experts_ffn ("sorted", "onehot", "ragged").
+      dtype: compute dtype of the experts (the router always computes in float32).
+    """
+
+    def __init__(self, d_model: int, d_ff: int, *, num_experts: int, experts_per_token: int,
+                 activation: str = "silu", gated: bool = True,
+                 capacity_factor: float | None = None, policy: str = "topk",
+                 jitter: float = 0.0, implementation: str = "sorted", dtype=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.router = nnx.Linear(d_model, num_experts, use_bias=False, param_dtype=param_dtype,
+                                 rngs=rngs)
+        self.experts = Experts(num_experts, d_model, d_ff, gated=gated, param_dtype=param_dtype,
+                               rngs=rngs)
+        self.options = dict(num_selected=experts_per_token, policy=policy,
+                            capacity_factor=capacity_factor, jitter=jitter,
+                            activation=activation, implementation=implementation)
+        self.dtype = dtype
+        random = jitter > 0 or policy == "gshard"
+        self.rngs = rngs["router"].fork() if random else nnx.data(None)
+        self.deterministic = False
+        self.load_balancing_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
+        self.router_z_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """[batch, seq, d_model] -> [batch, seq, d_model]."""
+        tokens = x.reshape(-1, x.shape[-1])
+        if self.dtype is not None:
+            tokens = tokens.astype(self.dtype)
+        rng = None if self.deterministic or self.rngs is None else self.rngs()
+        out, routing = moe.moe(tokens, self.router.kernel[...], self.experts.weights(), rng=rng,
+                               **self.options)
+        if not self.deterministic:
+            self.load_balancing_loss.set_value(routing.load_balancing_loss)
+            self.router_z_loss.set_value(routing.router_z_loss)
+        return out.reshape(x.shape)

@@ -1,0 +1,49 @@
+"""Mixture of experts as pure functions: `route` tokens to experts, run `experts_ffn` on them,
+or both at once with `moe`."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from tfx.ops import _checks
+from tfx.ops.moe.dispatch import IMPLEMENTATIONS, ExpertWeights, batched_experts, experts_ffn
+from tfx.ops.moe.expert_parallel import expert_parallel_moe
+from tfx.ops.moe.grouped_matmul import grouped_matmul
+from tfx.ops.moe.routing import POLICIES, PRIORITIES, Routing, expert_capacity, route
+
+__all__ = ["IMPLEMENTATIONS", "POLICIES", "PRIORITIES", "ExpertWeights", "Routing",
+           "batched_experts", "expert_capacity", "expert_parallel_moe", "experts_ffn",
+           "grouped_matmul", "moe", "route", "router_logits"]
+
+
+def router_logits(x: jax.Array, router_kernel: jax.Array) -> jax.Array:
+    """float32 [tokens, E] = x [tokens, d_model] @ router_kernel [d_model, E], in float32 as
+    Switch recommends (the softmax over experts is sensitive to rounding)."""
+    _checks.floating("router_kernel", router_kernel, ndim=2, layout="[d_model, num_experts]")
+    if router_kernel.shape[0] != x.shape[-1]:
+        raise ValueError(f"router_kernel must be [d_model={x.shape[-1]}, num_experts], got "
+                         f"shape {tuple(router_kernel.shape)}")
+    return jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "num_selected", "policy", "capacity_factor", "jitter", "priority", "activation",
+    "implementation", "block_size"))
+def moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertWeights, *, num_selected: int,
+        policy: str = "topk", capacity_factor: float | None = None,
+        rng: jax.Array | None = None, jitter: float = 0.0, priority: str = "position",
+        token_mask: jax.Array | None = None, activation: str = "silu",
+        implementation: str = "sorted", block_size: int = 128) -> tuple[jax.Array, Routing]:
+    """A mixture-of-experts MLP: route x [tokens, d_model] with router_kernel [d_model, E],
+    run the experts and combine. Returns ([tokens, d_model], the Routing with its losses).
+    Arguments as in `route` and `experts_ffn`."""
+    _checks.floating("x", x, ndim=2, layout="[tokens, d_model]")
+    routing = route(router_logits(x, router_kernel), num_selected=num_selected, policy=policy,
+                    capacity_factor=capacity_factor, rng=rng, jitter=jitter, priority=priority,
+                    token_mask=token_mask)
+    out = experts_ffn(x, routing, weights, activation=activation,
+                      implementation=implementation, block_size=block_size)
+    return out, routing

@@ -1,0 +1,179 @@
+"""Running the experts on their tokens and combining the results.
+
+Three implementations of one function, `experts_ffn`:
+- "onehot": GShard's einsums with a [tokens, E, C] dispatch tensor (C = capacity, or tokens
+  when dropless). Simple and the reference the others are tested against, but its cost grows
+  as tokens · E · C · d_model.
+- "sorted": the kept assignments sorted by expert into contiguous groups, each padded to a
+  multiple of `block_size` rows, run through `grouped_matmul`, which visits only the blocks in
+  use. Capacity only decides which assignments are kept; no row of capacity padding is
+  computed, so this path is as fast dropless as with a capacity (benchmarks/moe.py).
+- "ragged": the sorted rows (no padding) through `jax.lax.ragged_dot`; on CPU XLA computes every
+  expert on every row, so it is here for accelerators and for measuring.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from tfx.ops import _checks
+from tfx.ops.activations import ACTIVATIONS
+from tfx.ops.moe.grouped_matmul import grouped_matmul
+from tfx.ops.moe.routing import Routing
+
+__all__ = ["IMPLEMENTATIONS", "ExpertWeights", "batched_experts", "experts_ffn"]
+
+IMPLEMENTATIONS = ("sorted", "onehot", "ragged")
+
+
+class ExpertWeights(NamedTuple):
+    """Stacked expert MLPs: down(act(gate(x)) * up(x)) when `gate` is given (SwiGLU with silu),
+    down(act(up(x))) otherwise. gate, up: [E, d_model, d_ff]; down: [E, d_ff, d_model]."""
+
+    gate: jax.Array | None
+    up: jax.Array
+    down: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "implementation", "block_size"))
+def experts_ffn(x: jax.Array, routing: Routing, weights: ExpertWeights, *,
+                activation: str = "silu", implementation: str = "sorted",
+                block_size: int = 128) -> jax.Array:
+    """Σ_j kept[t, j] · weights[t, j] · expert_{expert_ids[t, j]}(x[t]) for every token t.
+
+    Args:
+      x: [tokens, d_model].
+      routing: from `route` over the same tokens.
+      weights: the experts' matrices.
+      activation: a key of tfx.ops.activations.ACTIVATIONS.
+      implementation: "sorted", "onehot" or "ragged" (module docstring).
+      block_size: rows per block of the "sorted" path.
+    Returns:
+      [tokens, d_model] in x's dtype; zero for a token whose every assignment was dropped.
+    """
+    _check(x, routing, weights, activation, implementation)
+    _checks.positive_int("block_size", block_size)
+    if implementation == "onehot":
+        return _onehot(x, routing, weights, activation)
+    if implementation == "ragged":
+        return _ragged(x, routing, weights, activation)
+    return _blocked(x, routing, weights, activation, block_size)
+
+
+def _check(x, routing, weights, activation, implementation):
+    _checks.floating("x", x, ndim=2, layout="[tokens, d_model]")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
+                         f"{implementation!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    tokens, d_model = x.shape
+    if routing.expert_ids.shape[0] != tokens:
+        raise ValueError(f"routing covers {routing.expert_ids.shape[0]} tokens but x has "
+                         f"{tokens}")
+    _checks.rank("weights.up", weights.up, 3, "[num_experts, d_model, d_ff]")
+    experts, _, d_ff = weights.up.shape
+    expected = {"up": (experts, d_model, d_ff), "down": (experts, d_ff, d_model)}
+    if weights.gate is not None:
+        expected["gate"] = (experts, d_model, d_ff)
+    for name, shape in expected.items():
+        if getattr(weights, name).shape != shape:
+            raise ValueError(f"weights.{name} must have shape {shape} (num_experts, d_model, "
+                             f"d_ff from weights.up and x), got "
+                             f"{tuple(getattr(weights, name).shape)}")
+
+
+def _hidden(act, gate, up):
+    """The MLP's hidden activations from its gate and up projections (gate None: plain)."""
+    return act(up) if gate is None else act(gate) * up
+
+
+def batched_experts(xe, weights: ExpertWeights, activation: str):
+    """Every expert on its own rows: [E, rows, d_model] -> [E, rows, d_model]."""
+    def project(w):
+        return None if w is None else jnp.einsum("ecd,edf->ecf", xe, w.astype(xe.dtype))
+
+    hidden = _hidden(ACTIVATIONS[activation], project(weights.gate), project(weights.up))
+    return jnp.einsum("ecf,efd->ecd", hidden, weights.down.astype(xe.dtype))
+
+
+def _combine(rows, destination, routing: Routing, dtype):
+    """out[t] = Σ_j kept · weight · rows[destination[t, j]]. rows [R, d]; destination
+    int [tokens, k] (any value where not kept)."""
+    gate = jnp.where(routing.kept, routing.weights, 0.0).astype(dtype)
+    picked = jnp.take(rows, jnp.where(routing.kept, destination, 0), axis=0)
+    return jnp.einsum("tk,tkd->td", gate, picked)
+
+
+def _gather_rows(x, destination, routing: Routing, num_rows: int):
+    """The [num_rows, d] buffer whose row destination[t, j] is x[t] for each kept assignment;
+    other rows zero. Built as a gather (its gradient is a scatter-add of rows)."""
+    tokens, k = destination.shape
+    target = jnp.where(routing.kept, destination, num_rows).reshape(-1)
+    source = jnp.full((num_rows,), tokens, jnp.int32).at[target].set(
+        jnp.repeat(jnp.arange(tokens, dtype=jnp.int32), k), mode="drop")
+    padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])
+    return jnp.take(padded, source, axis=0)
+
+
+def _group_starts(routing: Routing, experts: int, block: int):
+    """Row where each expert's group starts when groups are padded to multiples of `block`,
+    and the padded group sizes. int32 [E] each."""
+    counts = jnp.zeros((experts,), jnp.int32).at[routing.expert_ids].add(
+        routing.kept.astype(jnp.int32))
+    sizes = (counts + block - 1) // block * block
+    return jnp.cumsum(sizes) - sizes, sizes
+
+
+def _blocked(x, routing: Routing, weights, activation, block: int):
+    experts = weights.up.shape[0]
+    tokens, k = routing.expert_ids.shape
+    block = min(block, tokens * k)
+    num_blocks = -(-(tokens * k + experts * (block - 1)) // block)  # room for any grouping
+    starts, sizes = _group_starts(routing, experts, block)
+    destination = starts[routing.expert_ids] + routing.slot
+    rows = _gather_rows(x, destination, routing, num_blocks * block)
+    ends = jnp.cumsum(sizes)
+    block_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(num_blocks) * block,
+                                                side="right"), experts - 1).astype(jnp.int32)
+    used = (ends[-1] // block).astype(jnp.int32)
+
+    def project(w):
+        return None if w is None else grouped_matmul(rows, w.astype(x.dtype), block_expert, used)
+
+    hidden = _hidden(ACTIVATIONS[activation], project(weights.gate), project(weights.up))
+    out = grouped_matmul(hidden, weights.down.astype(x.dtype), block_expert, used)
+    return _combine(out, destination, routing, x.dtype)
+
+
+def _ragged(x, routing: Routing, weights, activation):
+    experts = weights.up.shape[0]
+    tokens, k = routing.expert_ids.shape
+    starts, sizes = _group_starts(routing, experts, 1)
+    destination = starts[routing.expert_ids] + routing.slot
+    rows = _gather_rows(x, destination, routing, tokens * k)
+
+    def project(w):
+        return None if w is None else jax.lax.ragged_dot(rows, w.astype(x.dtype), sizes)
+
+    hidden = _hidden(ACTIVATIONS[activation], project(weights.gate), project(weights.up))
+    out = jax.lax.ragged_dot(hidden, weights.down.astype(x.dtype), sizes)
+    return _combine(out, destination, routing, x.dtype)
+
+
+def _onehot(x, routing: Routing, weights, activation):
+    experts = weights.up.shape[0]
+    tokens = x.shape[0]
+    capacity = tokens if routing.capacity is None else routing.capacity
+    # [tokens, k, E, C]: assignment (t, j) goes to slot `slot` of expert `expert_ids`.
+    place = (jax.nn.one_hot(routing.expert_ids, experts, dtype=x.dtype)[..., None]
+             * jax.nn.one_hot(routing.slot, capacity, dtype=x.dtype)[..., None, :])
+    place = place * routing.kept[..., None, None].astype(x.dtype)
+    dispatch = place.sum(1)
+    combine = jnp.einsum("tkec,tk->tec", place, routing.weights.astype(x.dtype))
+    xe = jnp.einsum("tec,td->ecd", dispatch, x)
+    return jnp.einsum("tec,ecd->td", combine, batched_experts(xe, weights, activation))

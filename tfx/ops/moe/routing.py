@@ -1,0 +1,162 @@
+"""Routing tokens to experts: top-k (Mixtral; Switch at k = 1) and GShard top-2, expert capacity
+with drops in priority order, and the load-balancing and router z losses.
+
+Definitions (see REFERENCES.md, "MoE"):
+- probabilities p = softmax(logits) over all E experts, in float32;
+- "topk": the k most probable experts, weights p renormalised over those k (Mixtral). With
+  k = 1 the weight stays p (Switch): renormalised it would be 1, and the router would learn
+  nothing from the task loss;
+- "gshard": top-2 with renormalised gates g1, g2; the second expert is kept with probability
+  min(1, 2·g2), drawn with `rng` (no `rng`: always kept, the deterministic evaluation form);
+- capacity C = ceil(capacity_factor · tokens · k / E) assignments per expert; the assignments
+  are queued first choices before second choices, tokens in `priority` order within a choice
+  ("position": sequence order as GShard; "probability": highest top-1 probability first, the
+  batch-prioritised routing of V-MoE); an expert takes the first C of its queue and drops the
+  rest. A dropped assignment contributes nothing, so the residual connection carries the token;
+- load_balancing_loss = E · Σ_i f_i · P_i, f_i the fraction of the tokens·k top-k choices that
+  picked expert i, P_i the mean probability of expert i: 1 when balanced, E when collapsed onto
+  one expert. (Hugging Face's Mixtral loss scores a balanced router k, not 1.)
+- router_z_loss = mean over tokens of logsumexp(logits)² (ST-MoE).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from tfx.ops import _checks
+
+__all__ = ["POLICIES", "PRIORITIES", "Routing", "expert_capacity", "route"]
+
+POLICIES = ("topk", "gshard")
+PRIORITIES = ("position", "probability")
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["expert_ids", "weights", "kept", "slot", "load_balancing_loss",
+                                "router_z_loss"],
+                   meta_fields=["capacity"])
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Where each token goes.
+
+    expert_ids: int32 [tokens, k], the chosen experts, most probable first.
+    weights: float32 [tokens, k], the combine weights (not zeroed where dropped).
+    kept: bool [tokens, k], False where capacity, GShard's random second choice or the token
+      mask dropped the assignment.
+    slot: int32 [tokens, k], the assignment's place in its expert's queue (priority order);
+      kept assignments have slot < capacity.
+    capacity: assignments per expert (static int), or None when dropless.
+    load_balancing_loss, router_z_loss: float32 scalars.
+    """
+
+    expert_ids: jax.Array
+    weights: jax.Array
+    kept: jax.Array
+    slot: jax.Array
+    load_balancing_loss: jax.Array
+    router_z_loss: jax.Array
+    capacity: int | None = None
+
+
+def expert_capacity(num_tokens: int, num_experts: int, num_selected: int,
+                    capacity_factor: float | None) -> int | None:
+    """C = ceil(capacity_factor · num_tokens · num_selected / num_experts); None if dropless."""
+    if capacity_factor is None:
+        return None
+    return max(1, math.ceil(capacity_factor * num_tokens * num_selected / num_experts))
+
+
+@functools.partial(jax.jit, static_argnames=("num_selected", "policy", "capacity_factor",
+                                             "jitter", "renormalize", "priority"))
+def route(router_logits: jax.Array, *, num_selected: int, policy: str = "topk",
+          capacity_factor: float | None = None, rng: jax.Array | None = None,
+          jitter: float = 0.0, renormalize: bool | None = None, priority: str = "position",
+          token_mask: jax.Array | None = None) -> Routing:
+    """Route each token to `num_selected` experts.
+
+    Args:
+      router_logits: float [tokens, num_experts].
+      num_selected: k, experts per token (2 for "gshard").
+      policy: "topk" or "gshard" (see the module docstring).
+      capacity_factor: > 0 for a capacity of ceil(cf · tokens · k / E) per expert; None for
+        dropless routing.
+      rng: key for the random parts (jitter, GShard's second choice); None = deterministic.
+      jitter: Switch's multiplicative noise, logits · U(1 − jitter, 1 + jitter), applied to the
+        selection (not the z-loss) and only with an `rng`.
+      renormalize: divide the k weights by their sum; default True for k > 1, False for k = 1.
+      priority: queue order for capacity, "position" or "probability".
+      token_mask: optional bool [tokens]; False tokens (padding) route nowhere and count in
+        neither loss.
+    Returns:
+      a `Routing`.
+    """
+    _checks.floating("router_logits", router_logits, ndim=2, layout="[tokens, num_experts]")
+    tokens, experts = router_logits.shape
+    k = _checks.positive_int("num_selected", num_selected)
+    if k > experts:
+        raise ValueError(f"num_selected ({k}) must be <= num_experts ({experts})")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if policy == "gshard" and k != 2:
+        raise ValueError(f"policy 'gshard' routes to 2 experts: num_selected must be 2, got {k}")
+    if capacity_factor is not None:
+        _checks.positive_float("capacity_factor", capacity_factor)
+    if not 0.0 <= jitter < 1.0:
+        raise ValueError(f"jitter must be in [0, 1), got {jitter}")
+    if priority not in PRIORITIES:
+        raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
+    if token_mask is None:
+        token_mask = jnp.ones((tokens,), bool)
+    else:
+        _checks.boolean("token_mask", token_mask)
+        if token_mask.shape != (tokens,):
+            raise ValueError(f"token_mask must be bool [tokens] = ({tokens},), got shape "
+                             f"{tuple(token_mask.shape)}")
+    renormalize = k > 1 if renormalize is None else renormalize
+    jitter_rng, second_rng = (None, None) if rng is None else jax.random.split(rng)
+
+    logits = router_logits.astype(jnp.float32)
+    valid = token_mask.astype(jnp.float32)
+    num_valid = jnp.maximum(valid.sum(), 1.0)
+    router_z_loss = (jax.nn.logsumexp(logits, axis=-1) ** 2 * valid).sum() / num_valid
+    if jitter and jitter_rng is not None:
+        logits = logits * jax.random.uniform(jitter_rng, logits.shape, minval=1.0 - jitter,
+                                             maxval=1.0 + jitter)
+    probs = jax.nn.softmax(logits, axis=-1)
+    top, expert_ids = jax.lax.top_k(probs, k)
+    weights = top / top.sum(-1, keepdims=True) if renormalize else top
+
+    choices = jax.nn.one_hot(expert_ids, experts, dtype=jnp.float32) * valid[:, None, None]
+    fraction = choices.sum((0, 1)) / (num_valid * k)
+    mean_prob = (probs * valid[:, None]).sum(0) / num_valid
+    load_balancing_loss = experts * jnp.sum(fraction * mean_prob)
+
+    selected = jnp.broadcast_to(token_mask[:, None], (tokens, k))
+    if policy == "gshard" and second_rng is not None:
+        keep_second = 2.0 * weights[:, 1] > jax.random.uniform(second_rng, (tokens,))
+        selected = selected.at[:, 1].set(selected[:, 1] & keep_second)
+    capacity = expert_capacity(tokens, experts, k, capacity_factor)
+    slot = _queue_slots(expert_ids, selected, top[:, 0], experts, priority)
+    kept = selected if capacity is None else selected & (slot < capacity)
+    return Routing(expert_ids=expert_ids.astype(jnp.int32), weights=weights, kept=kept,
+                   slot=slot, load_balancing_loss=load_balancing_loss,
+                   router_z_loss=router_z_loss, capacity=capacity)
+
+
+def _queue_slots(expert_ids, selected, top_prob, experts: int, priority: str) -> jax.Array:
+    """Each selected assignment's 0-based place in its expert's queue: choice by choice, tokens
+    in sequence order or by descending top-1 probability. int32 [tokens, k]."""
+    tokens, k = expert_ids.shape
+    order = (jnp.arange(tokens) if priority == "position"
+             else jnp.argsort(-top_prob, stable=True))
+    # [k, tokens] in queue order: first choices of every token, then second choices, ...
+    queued = jax.nn.one_hot(expert_ids[order].T, experts, dtype=jnp.int32)
+    queued = queued * selected[order].T[..., None].astype(jnp.int32)
+    place = jnp.cumsum(queued.reshape(k * tokens, experts), axis=0).reshape(queued.shape) - 1
+    place = jnp.take_along_axis(place, expert_ids[order].T[..., None], axis=-1)[..., 0]
+    return jnp.zeros((tokens, k), jnp.int32).at[order].set(place.T)
