@@ -16,23 +16,26 @@ import json
 import sys
 
 import numpy as np
-from _train_case import train
+from _train_case import MODEL, MOE_MODEL, train
 
 from tfx.parallel import batch_sharding, global_batch, make_mesh, process_row_range
 
-# name -> (mesh axes or None for one device, grad_accum)
+# name -> (mesh axes or None for one device, grad_accum, model)
 CASES = {
-    "single": (None, 1),
-    "data8": (dict(data=8), 1),
-    "fsdp8": (dict(data=1, fsdp=8), 1),
-    "data2_fsdp2_tensor2": (dict(data=2, fsdp=2, tensor=2), 1),
-    "fsdp8_accum2": (dict(data=1, fsdp=8), 2),
+    "single": (None, 1, MODEL),
+    "data8": (dict(data=8), 1, MODEL),
+    "fsdp8": (dict(data=1, fsdp=8), 1, MODEL),
+    "data2_fsdp2_tensor2": (dict(data=2, fsdp=2, tensor=2), 1, MODEL),
+    "fsdp8_accum2": (dict(data=1, fsdp=8), 2, MODEL),
+    "moe_single": (None, 1, MOE_MODEL),
+    "moe_data2_expert4": (dict(data=2, expert=4), 1, MOE_MODEL),
 }
 
 if __name__ == "__main__":
     out, report, arrays = sys.argv[1], {}, {}
-    for name, (axes, grad_accum) in CASES.items():
-        result = train(None if axes is None else make_mesh(**axes), grad_accum=grad_accum)
+    for name, (axes, grad_accum, model) in CASES.items():
+        result = train(None if axes is None else make_mesh(**axes), grad_accum=grad_accum,
+                       model=model)
         arrays.update({f"{name}:{path}": value for path, value in result.pop("params").items()})
         report[name] = result
         print(name, result["losses"], flush=True)

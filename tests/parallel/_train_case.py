@@ -16,6 +16,12 @@ from tfx.train.optim import make_optimizer
 from tfx.train.step import init_train_state, make_train_step
 
 MODEL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128)
+# The same with 4 experts (top-2) in every layer. Each device of an expert-parallel mesh routes
+# its own tokens, so the load-balancing loss is a mean over groups there: weight 0 here, so that
+# the runs compute the same thing (the layer itself is compared with losses in
+# test_expert_parallel.py).
+MOE_MODEL = dict(MODEL, num_experts=4, experts_per_token=2, moe_d_ff=64,
+                 load_balancing_weight=0.0)
 BATCH, SEQ, STEPS, LEARNING_RATE = 16, 32, 3, 1e-3
 
 
@@ -25,10 +31,10 @@ def batches() -> list[np.ndarray]:
     return [rng.integers(0, 256, (BATCH, SEQ + 1), dtype=np.int32) for _ in range(STEPS)]
 
 
-def setup():
-    """(graphdef, rest, TrainState at step 0, optimizer)."""
+def setup(model: dict = MODEL):
+    """(graphdef, rest, TrainState at step 0, optimizer) of char-gpt with `model`'s fields."""
     optimizer = make_optimizer(OptimConfig(learning_rate=LEARNING_RATE, warmup_steps=0), STEPS)
-    model = tfx.models.create("char-gpt", rngs=nnx.Rngs(0), **MODEL)
+    model = tfx.models.create("char-gpt", rngs=nnx.Rngs(0), **model)
     return (*init_train_state(model, optimizer, seed=0), optimizer)
 
 
@@ -37,18 +43,18 @@ def abstract_state():
     return jax.eval_shape(lambda: setup()[2])
 
 
-def train(mesh=None, *, grad_accum: int = 1) -> dict:
+def train(mesh=None, *, grad_accum: int = 1, model: dict = MODEL) -> dict:
     """Train on one device (mesh None) or sharded over `mesh`, each process feeding only its
     rows of every batch. Returns {"losses": [STEPS], "params": {path: array} (gathered),
     "specs": {path: str(PartitionSpec)} of every state leaf (sharded runs only),
     "shards": {path: shape of the first local shard}}."""
-    graphdef, rest, state, optimizer = setup()
+    graphdef, rest, state, optimizer = setup(model)
     shardings = None
     if mesh is not None:
         shardings = state_shardings(state, mesh)
         state = shard(state, shardings)
     step = make_train_step(graphdef, rest, optimizer, causal_lm, grad_accum=grad_accum,
-                           state_sharding=shardings)
+                           state_sharding=shardings, mesh=mesh)
     losses = []
     for tokens in batches():
         batch = {"tokens": tokens}

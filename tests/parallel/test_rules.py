@@ -144,3 +144,33 @@ def test_optimizer_state_follows_params(sizes):
                                          ((1, 1, 1, 8), P())])
 def test_batch_rows_split_over_data_and_fsdp(sizes, spec):
     assert batch_sharding(mesh(sizes)).spec == spec
+
+
+def test_expert_weights_split_experts_over_expert_axis():
+    # A MoE layer's parameters as the MoE module names them: router [d_model, E] replicated,
+    # experts [E, d_model, d_ff] / [E, d_ff, d_model] split over "expert", then like the MLP.
+    def layer(experts, stacked=()):
+        return {"router": {"kernel": jax.ShapeDtypeStruct((*stacked, 64, experts), "f4")},
+                "experts": {"gate": jax.ShapeDtypeStruct((*stacked, experts, 64, 128), "f4"),
+                            "up": jax.ShapeDtypeStruct((*stacked, experts, 64, 128), "f4"),
+                            "down": jax.ShapeDtypeStruct((*stacked, experts, 128, 64), "f4")}}
+
+    def specs(sizes, experts=8, stacked=()):
+        params = {"stack": {"layers": {"0": {"mlp": layer(experts, stacked)}}}}
+        return {k.removeprefix("stack/layers/0/mlp/"): v
+                for k, v in named(param_specs(params, mesh(sizes))).items()}
+
+    assert DEFAULT_RULES["expert"] == "expert"
+    assert specs((1, 1, 8, 1)) == {"router/kernel": P(), "experts/gate": P("expert"),
+                                   "experts/up": P("expert"), "experts/down": P("expert")}
+    assert specs((1, 2, 2, 2)) == {
+        "router/kernel": P(), "experts/gate": P("expert", "fsdp", "tensor"),
+        "experts/up": P("expert", "fsdp", "tensor"), "experts/down": P("expert", "tensor", "fsdp")}
+    # Without an expert axis the experts follow the dense MLP (FSDP and tensor parallelism).
+    assert specs(DP2_FSDP2_TP2)["experts/down"] == P(None, "tensor", "fsdp")
+    # 6 experts do not split over expert=4; stacked layers add a replicated leading dim.
+    assert specs((2, 1, 4, 1), experts=6)["experts/up"] == P()
+    assert specs((1, 2, 4, 1), stacked=(3,)) == {
+        "router/kernel": P(), "experts/gate": P(None, "expert", "fsdp"),
+        "experts/up": P(None, "expert", "fsdp"), "experts/down": P(None, "expert", None, "fsdp")}
+    assert batch_sharding(mesh((2, 1, 4, 1))).spec == P(("data", "expert"))

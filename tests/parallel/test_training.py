@@ -22,6 +22,8 @@ WORKER = pathlib.Path(__file__).with_name("_sharded_worker.py")
 # fsdp8_accum2 accumulates 2 micro-batches per step.
 MESHES = {"data8": (8, 1, 1, 1), "fsdp8": (1, 8, 1, 1), "data2_fsdp2_tensor2": (2, 2, 1, 2),
           "fsdp8_accum2": (1, 8, 1, 1)}
+# A model with experts on one device and expert-parallel over data=2 x expert=4.
+MOE_RUNS = ("moe_single", "moe_data2_expert4")
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +35,12 @@ def runs(tmp_path_factory) -> dict:
     report = json.loads(out.with_suffix(".json").read_text())
     with np.load(out.with_suffix(".npz")) as arrays:
         for name, result in report.items():
-            if name not in MESHES and name != "single":
+            if name not in MESHES and name not in ("single", *MOE_RUNS):
                 continue
             result["params"] = {k.split(":", 1)[1]: arrays[k] for k in arrays.files
                                 if k.startswith(name + ":")}
-    assert set(report) == {"single", *MESHES, "row_range", "uneven_rows", "uneven_batch"}
+    assert set(report) == {"single", *MESHES, *MOE_RUNS, "row_range", "uneven_rows",
+                           "uneven_batch"}
     return report
 
 
@@ -75,3 +78,15 @@ def test_batch_rows_on_one_process_with_four_row_shards(runs):
                                    "of this process's devices")
     assert runs["uneven_batch"] == ("batch_size (10) must be a multiple of the 4 row shards of "
                                     "the batch sharding")
+
+
+def test_expert_parallel_training_equals_one_device(runs):
+    single, parallel = (runs[name] for name in MOE_RUNS)
+    assert len(set(single["losses"])) == 3
+    assert_same_training(parallel["losses"], parallel["params"], single["losses"],
+                         single["params"])
+    # [4 experts, 64, 64] split over expert=4; the router [64, 4] replicated.
+    shards = parallel["shards"]
+    assert shards["params/stack/layers/0/mlp/experts/up"] == [1, 64, 64]
+    assert shards["opt_state/1/0/mu/stack/layers/1/mlp/experts/down"] == [1, 64, 64]
+    assert shards["params/stack/layers/0/mlp/router/kernel"] == [64, 4]

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from train_cases import tiny
 
-from tfx.models import create
+from tfx.models import create, moe_losses
 from tfx.train.objectives import causal_lm, sequence_to_sequence
 from tfx.train.optim import make_optimizer
 from tfx.train.step import finish_eval, init_train_state, make_eval_step, make_train_step
@@ -113,3 +113,20 @@ def test_mixed_precision_and_remat_train_float32_weights(changes):
         chex.assert_trees_all_close(state.params, ref_state.params, atol=1e-6)
     else:  # bfloat16 matmuls: the loss within bfloat16 rounding of float32's
         np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=2e-2)
+
+
+def test_moe_losses_join_the_training_loss():
+    _, model, optimizer = _setup("moe_gpt", load_balancing_weight=0.5, router_z_weight=0.1)
+    graphdef, rest, state = init_train_state(model, optimizer, seed=0)
+    batch = _tokens()
+    reference = nnx.merge(graphdef, state.params, rest)
+    reference.train()
+    cross_entropy = optax.softmax_cross_entropy_with_integer_labels(
+        reference(batch["tokens"][:, :-1]), batch["tokens"][:, 1:]).mean()
+    losses = moe_losses(reference)
+    step = make_train_step(graphdef, rest, optimizer, causal_lm)
+    _, metrics = step(jax.tree.map(jnp.copy, state), batch)
+    for name, value in losses.items():
+        np.testing.assert_allclose(metrics[name], value, rtol=1e-5)
+    np.testing.assert_allclose(metrics["loss"], cross_entropy + 0.5 * losses["load_balancing_loss"]
+                               + 0.1 * losses["router_z_loss"], rtol=1e-5)

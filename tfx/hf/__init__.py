@@ -2,8 +2,9 @@
 tfx model, `save` a tfx model as a folder that transformers loads.
 
 Supported architectures (config.json "architectures"): BertModel, GPT2LMHeadModel,
-LlamaForCausalLM, MistralForCausalLM, T5ForConditionalGeneration. The returned module's call
-mirrors the Hugging Face class, with the same keyword names, and returns float32 arrays.
+LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, T5ForConditionalGeneration. The
+returned module's call mirrors the Hugging Face class, with the same keyword names, and returns
+float32 arrays.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ __all__ = ["SUPPORTED", "load", "save"]
 
 
 def _families() -> dict:
-    from tfx.hf import bert, gpt2, llama, t5
+    from tfx.hf import bert, gpt2, llama, mixtral, t5
 
-    return {arch: family for family in (bert, gpt2, llama, t5) for arch in family.ARCHITECTURES}
+    return {arch: family for family in (bert, gpt2, llama, mixtral, t5)
+            for arch in family.ARCHITECTURES}
 
 
 def __getattr__(name):  # SUPPORTED is computed lazily to keep imports light
@@ -68,6 +70,10 @@ def save(model: nnx.Module, path: str | pathlib.Path, *, architecture: str) -> N
     if architecture not in families:
         raise ValueError(f"architecture must be one of {sorted(families)}, got {architecture!r}")
     family = families[architecture]
+    experts = getattr(model.config, "num_experts", 0)
+    if experts and architecture != "MixtralForCausalLM":
+        raise ValueError(f"{architecture} cannot express num_experts={experts} (a model with "
+                         "experts saves as MixtralForCausalLM)")
     hf_config = family.config_to_hf(model.config, architecture)
     params = io.flat_params(model)
     if model.config.scan_layers:

@@ -22,7 +22,8 @@ from tfx.models.config import DecoderConfig
 from tfx.ops.positional import DynamicNTKScaling, LinearScaling, Llama3Scaling, YaRNScaling
 
 __all__ = ["ARCHITECTURES", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
-           "params_from_hf", "params_to_hf"]
+           "decoder_config", "decoder_config_to_hf", "params_from_hf", "params_to_hf",
+           "tensor_names"]
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
@@ -47,11 +48,7 @@ _SCALINGS = {"linear": LinearScaling, "dynamic": DynamicNTKScaling, "yarn": YaRN
 
 def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
     """LlamaConfig / MistralConfig fields (config.json as a dict) -> DecoderConfig; dropout off."""
-    rope = _rope_parameters(hf)
     hf = {**_DEFAULTS[architecture], **hf}
-    if hf["hidden_act"] != "silu":
-        raise ValueError(f"{architecture}: hidden_act={hf['hidden_act']!r} is not supported "
-                         "(tfx maps the gated 'silu' MLP)")
     if architecture == "MistralForCausalLM":
         use_bias, sliding_window = False, hf["sliding_window"]  # Mistral has no bias options
     else:
@@ -59,37 +56,34 @@ def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
             raise ValueError(f"{architecture}: attention_bias={hf['attention_bias']} and "
                              f"mlp_bias={hf['mlp_bias']} differ; tfx has one use_bias for both")
         use_bias, sliding_window = bool(hf["attention_bias"]), None  # Llama has no window
+    return decoder_config(hf, architecture, use_bias=use_bias, sliding_window=sliding_window)
+
+
+def decoder_config(hf: dict, architecture: str, *, use_bias: bool, sliding_window: int | None,
+                   default_theta: float = 10000.0, **fields) -> DecoderConfig:
+    """The DecoderConfig of a LLaMA-style config.json whose defaults are filled in, shared with
+    Mixtral: `default_theta` is the rope_theta of a config that names none, `fields` are further
+    DecoderConfig fields (Mixtral's experts)."""
+    if hf["hidden_act"] != "silu":
+        raise ValueError(f"{architecture}: hidden_act={hf['hidden_act']!r} is not supported "
+                         "(tfx maps the gated 'silu' MLP)")
+    rope = _rope_parameters(hf)
     max_len = hf["max_position_embeddings"]
     return DecoderConfig(
         vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
         num_kv_heads=hf["num_key_value_heads"], head_dim=hf["head_dim"],
         d_ff=hf["intermediate_size"], max_len=max_len, norm_eps=hf["rms_norm_eps"],
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_theta=float(rope.get("rope_theta", default_theta)),
         rope_scaling=_scaling_from_hf(rope, hf, max_len, architecture), use_bias=use_bias,
         tie_embeddings=hf["tie_word_embeddings"], sliding_window=sliding_window, dropout=0.0,
-        **_FIXED)
+        **_FIXED, **fields)
 
 
 def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
     """DecoderConfig -> LlamaConfig / MistralConfig fields; ValueError for what they cannot
     express."""
-    if not isinstance(config, DecoderConfig):
-        raise ValueError(f"{architecture} needs a DecoderConfig, got {type(config).__name__}")
-    for name, value in _FIXED.items():
-        if getattr(config, name) != value:
-            raise ValueError(f"{architecture} cannot express {name}={getattr(config, name)!r} "
-                             f"(it has {name}={value!r})")
-    hf = {
-        "architectures": [architecture], "model_type": _MODEL_TYPES[architecture],
-        "vocab_size": config.vocab_size, "hidden_size": config.d_model,
-        "intermediate_size": config.d_ff, "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads, "num_key_value_heads": config.kv_heads,
-        "head_dim": config.head_dim or config.d_model // config.num_heads, "hidden_act": "silu",
-        "max_position_embeddings": config.max_len, "rms_norm_eps": config.norm_eps,
-        "tie_word_embeddings": config.tie_embeddings, "attention_dropout": config.dropout,
-        "rope_parameters": _scaling_to_hf(config, architecture), "dtype": config.param_dtype,
-    }
+    hf = decoder_config_to_hf(config, architecture, _MODEL_TYPES[architecture])
     if architecture == "MistralForCausalLM":
         if config.use_bias:
             raise ValueError(f"{architecture} cannot express use_bias=True (it has no biases)")
@@ -102,16 +96,37 @@ def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
     return hf
 
 
+def decoder_config_to_hf(config: DecoderConfig, architecture: str, model_type: str) -> dict:
+    """The config.json fields every LLaMA-style decoder shares (Mixtral too); ValueError for a
+    config that is not one."""
+    if not isinstance(config, DecoderConfig):
+        raise ValueError(f"{architecture} needs a DecoderConfig, got {type(config).__name__}")
+    for name, value in _FIXED.items():
+        if getattr(config, name) != value:
+            raise ValueError(f"{architecture} cannot express {name}={getattr(config, name)!r} "
+                             f"(it has {name}={value!r})")
+    return {
+        "architectures": [architecture], "model_type": model_type,
+        "vocab_size": config.vocab_size, "hidden_size": config.d_model,
+        "intermediate_size": config.d_ff, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_dim or config.d_model // config.num_heads, "hidden_act": "silu",
+        "max_position_embeddings": config.max_len, "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings, "attention_dropout": config.dropout,
+        "rope_parameters": _scaling_to_hf(config, architecture), "dtype": config.param_dtype,
+    }
+
+
 def params_from_hf(tensors: dict[str, np.ndarray], config: DecoderConfig) -> dict:
     """LlamaForCausalLM / MistralForCausalLM tensors -> tfx parameters by state path."""
     return {path: _transposed(path, io.tensor(tensors, name))
-            for path, name in _names(config).items()}
+            for path, name in tensor_names(config).items()}
 
 
 def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
     """tfx parameters by state path -> HF tensors (lm_head left out when tied, as
     save_pretrained does)."""
-    return {name: _transposed(path, params[path]) for path, name in _names(config).items()}
+    return {name: _transposed(path, params[path]) for path, name in tensor_names(config).items()}
 
 
 def _transposed(path: tuple, value: np.ndarray) -> np.ndarray:
@@ -119,8 +134,9 @@ def _transposed(path: tuple, value: np.ndarray) -> np.ndarray:
     return value.T if path[-1] == "kernel" else value
 
 
-def _names(config: DecoderConfig) -> dict[tuple, str]:
-    """tfx path -> HF tensor name, for every parameter of the model."""
+def tensor_names(config: DecoderConfig) -> dict[tuple, str]:
+    """tfx path -> HF tensor name, for every parameter of the model but experts (Mixtral's
+    layers have experts in place of the MLP: `tfx.hf.mixtral` names those)."""
     names = {("embeddings", "tokens", "table"): "model.embed_tokens.weight",
              ("stack", "final_norm", "scale"): "model.norm.weight"}
     if not config.tie_embeddings:  # a tied checkpoint may hold lm_head.weight too: not needed
@@ -128,10 +144,10 @@ def _names(config: DecoderConfig) -> dict[tuple, str]:
     projections = {("attention", "query"): "self_attn.q_proj",
                    ("attention", "key"): "self_attn.k_proj",
                    ("attention", "value"): "self_attn.v_proj",
-                   ("attention", "out"): "self_attn.o_proj",
-                   ("mlp", "gate"): "mlp.gate_proj",
-                   ("mlp", "up"): "mlp.up_proj",
-                   ("mlp", "down"): "mlp.down_proj"}
+                   ("attention", "out"): "self_attn.o_proj"}
+    if not config.num_experts:
+        projections |= {("mlp", "gate"): "mlp.gate_proj", ("mlp", "up"): "mlp.up_proj",
+                        ("mlp", "down"): "mlp.down_proj"}
     for i in range(config.num_layers):
         layer, hf = ("stack", "layers", i), f"model.layers.{i}"
         names[(*layer, "attention_norm", "scale")] = f"{hf}.input_layernorm.weight"

@@ -1,5 +1,9 @@
 """Mixture-of-experts feed-forward block: a router and E expert MLPs, calling tfx.ops.moe.
 
+Under a mesh (`jax.set_mesh`, or the `mesh` of tfx.train's steps) with an "expert" axis of
+size > 1, the experts run expert-parallel (`tfx.ops.moe.expert_parallel_moe`): each device
+routes its own tokens, so capacity and the load-balancing loss are per device's group of tokens.
+
 The block records its routing losses in `nnx.Intermediate` variables on every call in train
 mode (`model.train()`); `tfx.models.moe_losses` collects them after a forward pass. In eval
 mode nothing is recorded and routing is deterministic (no jitter, GShard keeps every second
@@ -62,9 +66,11 @@ class MoE(nnx.Module):
                                  rngs=rngs)
         self.experts = Experts(num_experts, d_model, d_ff, gated=gated, param_dtype=param_dtype,
                                rngs=rngs)
-        self.options = dict(num_selected=experts_per_token, policy=policy,
-                            capacity_factor=capacity_factor, jitter=jitter,
-                            activation=activation, implementation=implementation)
+        # The settings of tfx.ops.moe.moe, as a tuple: module attributes that are not arrays
+        # must be hashable (they are part of the nnx graph definition).
+        self.options = tuple(dict(num_selected=experts_per_token, policy=policy,
+                                  capacity_factor=capacity_factor, jitter=jitter,
+                                  activation=activation, implementation=implementation).items())
         self.dtype = dtype
         random = jitter > 0 or policy == "gshard"
         self.rngs = rngs["router"].fork() if random else nnx.data(None)
@@ -78,8 +84,16 @@ class MoE(nnx.Module):
         if self.dtype is not None:
             tokens = tokens.astype(self.dtype)
         rng = None if self.deterministic or self.rngs is None else self.rngs()
-        out, routing = moe.moe(tokens, self.router.kernel[...], self.experts.weights(), rng=rng,
-                               **self.options)
+        options = dict(self.options)
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty and mesh.shape.get("expert", 1) > 1:
+            del options["implementation"]  # each device runs its experts as one batch
+            out, routing = moe.expert_parallel_moe(tokens, self.router.kernel[...],
+                                                   self.experts.weights(), mesh=mesh, rng=rng,
+                                                   **options)
+        else:
+            out, routing = moe.moe(tokens, self.router.kernel[...], self.experts.weights(),
+                                   rng=rng, **options)
         if not self.deterministic:
             self.load_balancing_loss.set_value(routing.load_balancing_loss)
             self.router_z_loss.set_value(routing.router_z_loss)

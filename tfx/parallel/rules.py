@@ -10,6 +10,9 @@ dimension, so each layer needs one all-reduce forward — and FSDP: the other (d
 dimension of every matrix over "fsdp". Vectors (norm scales, biases over d_model) and small
 tables (relative-position biases) stay replicated; biases over heads or the MLP hidden width
 follow their dimension. Stacked layers (`scan_layers=True`) add a leading "layers" dimension.
+Mixture-of-experts weights [E, ...] split their experts over "expert" (expert parallelism,
+tfx.ops.moe.expert_parallel_moe) and their other dims like the dense MLP's; the router
+[d_model, E] is replicated (every device routes its own tokens over all experts).
 
 A dimension stays replicated when its size is not divisible by the product of its mesh axes'
 sizes (e.g. BERT's vocabulary of 30522 over tensor=4), and a mesh axis splits at most one
@@ -35,6 +38,7 @@ DEFAULT_RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "embed": "fsdp",
     "heads": "tensor",
     "mlp": "tensor",
+    "expert": "expert",
     "layers": None,
 }
 
@@ -52,6 +56,9 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"(^|/)(up|gate)/bias$", ("mlp",)),
     (r"(^|/)down/kernel$", ("mlp", "embed")),
     (r"(^|/)(pooler|mlm_transform)/kernel$", ("embed", None)),
+    (r"(^|/)mlp/experts/(gate|up)$", ("expert", "embed", "mlp")),
+    (r"(^|/)mlp/experts/down$", ("expert", "mlp", "embed")),
+    (r"(^|/)mlp/router/kernel$", (None, None)),
 )
 
 

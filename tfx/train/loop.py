@@ -68,7 +68,7 @@ class Trainer:
         self.optimizer = make_optimizer(experiment.optim, t.steps)
         self.graphdef, self.rest, self.state = init_train_state(model, self.optimizer,
                                                                 seed=t.seed)
-        self.state_sharding = self.batch_sharding = None
+        self.state_sharding = self.batch_sharding = mesh = None
         if sharded and jax.device_count() > 1:  # one device: plain jit, no mesh
             mesh = parallel.mesh_from_config(experiment.mesh)
             rows = t.grad_accum * mesh.size // mesh.shape["tensor"]
@@ -83,9 +83,9 @@ class Trainer:
                   "mlm_probability": experiment.mlm_probability}
         self.train_step = make_train_step(self.graphdef, self.rest, self.optimizer, objective,
                                           grad_accum=t.grad_accum, objective_kwargs=kwargs,
-                                          state_sharding=self.state_sharding)
+                                          state_sharding=self.state_sharding, mesh=mesh)
         self.eval_step = make_eval_step(self.graphdef, self.rest, objective,
-                                        objective_kwargs=kwargs)
+                                        objective_kwargs=kwargs, mesh=mesh)
 
     def restore(self) -> int:
         """Load the newest readable checkpoint into `self.state`; the step it holds (0: none)."""

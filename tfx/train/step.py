@@ -70,7 +70,7 @@ def _merge(graphdef, params, rest, rng, *, train: bool):
 def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
                     optimizer: optax.GradientTransformation, objective: Callable, *,
                     grad_accum: int = 1, objective_kwargs: dict | None = None,
-                    state_sharding=None) -> Callable:
+                    state_sharding=None, mesh: jax.sharding.Mesh | None = None) -> Callable:
     """Compile `(state, batch) -> (state, metrics)`.
 
     objective: `(model, batch, rng, **objective_kwargs) -> (loss_sum, count, metric_sums)`
@@ -80,6 +80,8 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
       own sums divided by their counts, and MOE_METRICS for a model with experts.
     state_sharding: a TrainState of shardings to keep the state on (tfx.parallel); the state
       argument is donated.
+    mesh: the mesh the step is traced under; mixture-of-experts layers split their experts
+      over its "expert" axis (expert parallelism).
     """
     kwargs = objective_kwargs or {}
 
@@ -92,6 +94,7 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
         (total, (count, metrics)), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
         return grads, total, count, metrics
 
+    @_under(mesh)
     def train_step(state: TrainState, batch: dict):
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         if grad_accum == 1:
@@ -126,6 +129,20 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
                    **shardings)
 
 
+def _under(mesh):
+    """Decorator: trace the function with `mesh` as the abstract mesh (None: unchanged)."""
+    def wrap(fn):
+        if mesh is None:
+            return fn
+
+        @functools.wraps(fn)
+        def traced(*args):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return fn(*args)
+        return traced
+    return wrap
+
+
 def _compiler_options() -> dict | None:
     """On CPU, turn off XLA's YNNPACK fusions: the training step's batched attention matmuls
     and their transposes run about 1.4x faster (6-layer/384 GPT, benchmarks/train.py)."""
@@ -135,12 +152,15 @@ def _compiler_options() -> dict | None:
 
 
 def make_eval_step(graphdef: nnx.GraphDef, rest: nnx.State, objective: Callable, *,
-                   objective_kwargs: dict | None = None) -> Callable:
+                   objective_kwargs: dict | None = None,
+                   mesh: jax.sharding.Mesh | None = None) -> Callable:
     """Compile `(params, batch, rng) -> (loss_sum, count, metric_sums)` in eval mode (no
-    dropout); sum these over batches and divide (see `finish_eval`)."""
+    dropout); sum these over batches and divide (see `finish_eval`). mesh: as in
+    `make_train_step`."""
     kwargs = objective_kwargs or {}
 
     @jax.jit
+    @_under(mesh)
     def eval_step(params, batch, rng):
         model = _merge(graphdef, params, rest, rng, train=False)
         return objective(model, batch, rng, **kwargs)

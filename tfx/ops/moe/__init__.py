@@ -6,27 +6,23 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from tfx.ops import _checks
 from tfx.ops.moe.dispatch import IMPLEMENTATIONS, ExpertWeights, batched_experts, experts_ffn
 from tfx.ops.moe.expert_parallel import expert_parallel_moe
 from tfx.ops.moe.grouped_matmul import grouped_matmul
-from tfx.ops.moe.routing import POLICIES, PRIORITIES, Routing, expert_capacity, route
+from tfx.ops.moe.routing import (
+    POLICIES,
+    PRIORITIES,
+    Routing,
+    expert_capacity,
+    route,
+    router_logits,
+)
 
 __all__ = ["IMPLEMENTATIONS", "POLICIES", "PRIORITIES", "ExpertWeights", "Routing",
            "batched_experts", "expert_capacity", "expert_parallel_moe", "experts_ffn",
            "grouped_matmul", "moe", "route", "router_logits"]
-
-
-def router_logits(x: jax.Array, router_kernel: jax.Array) -> jax.Array:
-    """float32 [tokens, E] = x [tokens, d_model] @ router_kernel [d_model, E], in float32 as
-    Switch recommends (the softmax over experts is sensitive to rounding)."""
-    _checks.floating("router_kernel", router_kernel, ndim=2, layout="[d_model, num_experts]")
-    if router_kernel.shape[0] != x.shape[-1]:
-        raise ValueError(f"router_kernel must be [d_model={x.shape[-1]}, num_experts], got "
-                         f"shape {tuple(router_kernel.shape)}")
-    return jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=(

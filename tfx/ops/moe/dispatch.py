@@ -25,7 +25,8 @@ from tfx.ops.activations import ACTIVATIONS
 from tfx.ops.moe.grouped_matmul import grouped_matmul
 from tfx.ops.moe.routing import Routing
 
-__all__ = ["IMPLEMENTATIONS", "ExpertWeights", "batched_experts", "experts_ffn"]
+__all__ = ["IMPLEMENTATIONS", "ExpertWeights", "batched_experts", "check_weights", "combine_rows",
+           "experts_ffn", "gather_rows"]
 
 IMPLEMENTATIONS = ("sorted", "onehot", "ragged")
 
@@ -71,20 +72,25 @@ def _check(x, routing, weights, activation, implementation):
                          f"{implementation!r}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    tokens, d_model = x.shape
-    if routing.expert_ids.shape[0] != tokens:
+    if routing.expert_ids.shape[0] != x.shape[0]:
         raise ValueError(f"routing covers {routing.expert_ids.shape[0]} tokens but x has "
-                         f"{tokens}")
+                         f"{x.shape[0]}")
+    check_weights(weights, x.shape[1])
+
+
+def check_weights(weights: ExpertWeights, d_model: int, num_experts: int | None = None) -> None:
+    """Require gate/up [E, d_model, d_ff] and down [E, d_ff, d_model] (E = num_experts when
+    given, else up's leading dim); ValueError naming the field otherwise."""
     _checks.rank("weights.up", weights.up, 3, "[num_experts, d_model, d_ff]")
-    experts, _, d_ff = weights.up.shape
+    experts = weights.up.shape[0] if num_experts is None else num_experts
+    d_ff = weights.up.shape[2]
     expected = {"up": (experts, d_model, d_ff), "down": (experts, d_ff, d_model)}
     if weights.gate is not None:
-        expected["gate"] = (experts, d_model, d_ff)
+        expected["gate"] = expected["up"]
     for name, shape in expected.items():
         if getattr(weights, name).shape != shape:
             raise ValueError(f"weights.{name} must have shape {shape} (num_experts, d_model, "
-                             f"d_ff from weights.up and x), got "
-                             f"{tuple(getattr(weights, name).shape)}")
+                             f"d_ff), got {tuple(getattr(weights, name).shape)}")
 
 
 def _hidden(act, gate, up):
@@ -101,7 +107,7 @@ def batched_experts(xe, weights: ExpertWeights, activation: str):
     return jnp.einsum("ecf,efd->ecd", hidden, weights.down.astype(xe.dtype))
 
 
-def _combine(rows, destination, routing: Routing, dtype):
+def combine_rows(rows, destination, routing: Routing, dtype):
     """out[t] = Σ_j kept · weight · rows[destination[t, j]]. rows [R, d]; destination
     int [tokens, k] (any value where not kept)."""
     gate = jnp.where(routing.kept, routing.weights, 0.0).astype(dtype)
@@ -109,11 +115,11 @@ def _combine(rows, destination, routing: Routing, dtype):
     return jnp.einsum("tk,tkd->td", gate, picked)
 
 
-def _gather_rows(x, destination, routing: Routing, num_rows: int):
+def gather_rows(x, destination, kept, num_rows: int):
     """The [num_rows, d] buffer whose row destination[t, j] is x[t] for each kept assignment;
     other rows zero. Built as a gather (its gradient is a scatter-add of rows)."""
     tokens, k = destination.shape
-    target = jnp.where(routing.kept, destination, num_rows).reshape(-1)
+    target = jnp.where(kept, destination, num_rows).reshape(-1)
     source = jnp.full((num_rows,), tokens, jnp.int32).at[target].set(
         jnp.repeat(jnp.arange(tokens, dtype=jnp.int32), k), mode="drop")
     padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])
@@ -136,7 +142,7 @@ def _blocked(x, routing: Routing, weights, activation, block: int):
     num_blocks = -(-(tokens * k + experts * (block - 1)) // block)  # room for any grouping
     starts, sizes = _group_starts(routing, experts, block)
     destination = starts[routing.expert_ids] + routing.slot
-    rows = _gather_rows(x, destination, routing, num_blocks * block)
+    rows = gather_rows(x, destination, routing.kept, num_blocks * block)
     ends = jnp.cumsum(sizes)
     block_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(num_blocks) * block,
                                                 side="right"), experts - 1).astype(jnp.int32)
@@ -147,7 +153,7 @@ def _blocked(x, routing: Routing, weights, activation, block: int):
 
     hidden = _hidden(ACTIVATIONS[activation], project(weights.gate), project(weights.up))
     out = grouped_matmul(hidden, weights.down.astype(x.dtype), block_expert, used)
-    return _combine(out, destination, routing, x.dtype)
+    return combine_rows(out, destination, routing, x.dtype)
 
 
 def _ragged(x, routing: Routing, weights, activation):
@@ -155,14 +161,14 @@ def _ragged(x, routing: Routing, weights, activation):
     tokens, k = routing.expert_ids.shape
     starts, sizes = _group_starts(routing, experts, 1)
     destination = starts[routing.expert_ids] + routing.slot
-    rows = _gather_rows(x, destination, routing, tokens * k)
+    rows = gather_rows(x, destination, routing.kept, tokens * k)
 
     def project(w):
         return None if w is None else jax.lax.ragged_dot(rows, w.astype(x.dtype), sizes)
 
     hidden = _hidden(ACTIVATIONS[activation], project(weights.gate), project(weights.up))
     out = jax.lax.ragged_dot(hidden, weights.down.astype(x.dtype), sizes)
-    return _combine(out, destination, routing, x.dtype)
+    return combine_rows(out, destination, routing, x.dtype)
 
 
 def _onehot(x, routing: Routing, weights, activation):

@@ -18,17 +18,29 @@ tokens themselves. Use a capacity factor for large E.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from tfx.ops import _checks
 from tfx.ops.activations import ACTIVATIONS
-from tfx.ops.moe.dispatch import ExpertWeights, batched_experts
-from tfx.ops.moe.routing import Routing, expert_capacity, route
+from tfx.ops.moe.dispatch import (
+    ExpertWeights,
+    batched_experts,
+    check_weights,
+    combine_rows,
+    gather_rows,
+)
+from tfx.ops.moe.routing import (
+    Routing,
+    check_router_kernel,
+    expert_capacity,
+    route,
+    router_logits,
+)
 
 __all__ = ["expert_parallel_moe"]
 
@@ -50,7 +62,9 @@ def expert_parallel_moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertW
 
     Args:
       x: [tokens, d_model], split over the axes of `batch_axes` that the mesh has with size
-        > 1 (in that order); tokens must be divisible by the number of such shards (groups).
+        > 1, in that order, and always over `expert_axis` (which `batch_axes` must include,
+        as GShard splits the batch over the expert devices too). tokens must be divisible by
+        the number of shards; each shard's tokens are a *group*.
       router_kernel: [d_model, E], replicated.
       weights: ExpertWeights with leading dim E split over `expert_axis`; E must be divisible
         by its size.
@@ -80,19 +94,15 @@ def expert_parallel_moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertW
         group = 0
         for axis in token_axes:  # row-major over the axes, as the PartitionSpec lays them out
             group = group * mesh.shape[axis] + jax.lax.axis_index(axis)
-        logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32))
-        routing = route(logits, num_selected=num_selected, policy=policy,
+        routing = route(router_logits(x, router_kernel), num_selected=num_selected, policy=policy,
                         capacity_factor=capacity_factor,
                         rng=None if rng is None else jax.random.fold_in(rng, group),
                         jitter=jitter, priority=priority, token_mask=token_mask)
         out = _exchange_and_run(x, routing, weights, mesh.shape[expert_axis], expert_axis,
                                 activation)
-        losses = [jax.lax.pmean(loss, token_axes)
-                  for loss in (routing.load_balancing_loss, routing.router_z_loss)]
-        return out, Routing(expert_ids=routing.expert_ids, weights=routing.weights,
-                            kept=routing.kept, slot=routing.slot,
-                            load_balancing_loss=losses[0], router_z_loss=losses[1],
-                            capacity=routing.capacity)
+        return out, dataclasses.replace(
+            routing, load_balancing_loss=jax.lax.pmean(routing.load_balancing_loss, token_axes),
+            router_z_loss=jax.lax.pmean(routing.router_z_loss, token_axes))
 
     out, routing = jax.shard_map(
         local, mesh=mesh, in_specs=(tokens, PartitionSpec(), experts, PartitionSpec(), tokens),
@@ -109,7 +119,7 @@ def _exchange_and_run(x, routing: Routing, weights: ExpertWeights, devices: int,
     experts = devices * local_experts
     capacity = tokens if routing.capacity is None else routing.capacity
     row = routing.expert_ids * capacity + routing.slot  # [T, k] into the [E·C] buffer
-    send = _rows_to_buffer(x, row, routing.kept, experts * capacity)
+    send = gather_rows(x, row, routing.kept, experts * capacity)
     send = send.reshape(devices, local_experts, capacity, d_model)
     # [source group, E_local, C, d]: every group's rows for this device's experts.
     received = jax.lax.all_to_all(send, expert_axis, 0, 0, tiled=True)
@@ -117,43 +127,17 @@ def _exchange_and_run(x, routing: Routing, weights: ExpertWeights, devices: int,
     result = batched_experts(batch, weights, activation)
     result = result.reshape(local_experts, devices, capacity, d_model).transpose(1, 0, 2, 3)
     back = jax.lax.all_to_all(result, expert_axis, 0, 0, tiled=True)
-    back = back.reshape(experts * capacity, d_model)
-    gate = jnp.where(routing.kept, routing.weights, 0.0).astype(x.dtype)
-    picked = jnp.take(back, jnp.where(routing.kept, row, 0), axis=0)
-    return jnp.einsum("tk,tkd->td", gate, picked)
-
-
-def _rows_to_buffer(x, row, kept, num_rows: int):
-    """The [num_rows, d] buffer with x[t] at row[t, j] for each kept assignment, zeros
-    elsewhere; a gather, so that its gradient is a scatter-add into x."""
-    tokens, k = row.shape
-    target = jnp.where(kept, row, num_rows).reshape(-1)
-    source = jnp.full((num_rows,), tokens, jnp.int32).at[target].set(
-        jnp.repeat(jnp.arange(tokens, dtype=jnp.int32), k), mode="drop")
-    padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])
-    return jnp.take(padded, source, axis=0)
+    return combine_rows(back.reshape(experts * capacity, d_model), row, routing, x.dtype)
 
 
 def _check(x, router_kernel, weights: ExpertWeights, mesh, expert_axis, batch_axes, activation,
            token_mask) -> tuple[str, ...]:
     """Validate the arguments; returns the mesh axes that split the tokens."""
     _checks.floating("x", x, ndim=2, layout="[tokens, d_model]")
-    _checks.floating("router_kernel", router_kernel, ndim=2, layout="[d_model, num_experts]")
     num_tokens, d_model = x.shape
-    if router_kernel.shape[0] != d_model:
-        raise ValueError(f"router_kernel must be [d_model={d_model}, num_experts], got shape "
-                         f"{tuple(router_kernel.shape)}")
+    check_router_kernel(router_kernel, d_model)
     num_experts = router_kernel.shape[1]
-    _checks.rank("weights.up", weights.up, 3, "[num_experts, d_model, d_ff]")
-    d_ff = weights.up.shape[2]
-    expected = {"up": (num_experts, d_model, d_ff), "down": (num_experts, d_ff, d_model)}
-    if weights.gate is not None:
-        expected["gate"] = expected["up"]
-    for name, shape in expected.items():
-        if getattr(weights, name).shape != shape:
-            raise ValueError(f"weights.{name} must have shape {shape} (num_experts from "
-                             f"router_kernel, d_model from x, d_ff from weights.up), got "
-                             f"{tuple(getattr(weights, name).shape)}")
+    check_weights(weights, d_model, num_experts)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     if expert_axis not in mesh.shape:

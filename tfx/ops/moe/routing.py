@@ -30,7 +30,8 @@ import jax.numpy as jnp
 
 from tfx.ops import _checks
 
-__all__ = ["POLICIES", "PRIORITIES", "Routing", "expert_capacity", "route"]
+__all__ = ["POLICIES", "PRIORITIES", "Routing", "check_router_kernel", "expert_capacity", "route",
+           "router_logits"]
 
 POLICIES = ("topk", "gshard")
 PRIORITIES = ("position", "probability")
@@ -61,6 +62,21 @@ class Routing:
     load_balancing_loss: jax.Array
     router_z_loss: jax.Array
     capacity: int | None = None
+
+
+def router_logits(x: jax.Array, router_kernel: jax.Array) -> jax.Array:
+    """float32 [tokens, E] = x [tokens, d_model] @ router_kernel [d_model, E], in float32 as
+    Switch recommends (the softmax over experts is sensitive to rounding)."""
+    check_router_kernel(router_kernel, x.shape[-1])
+    return jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32))
+
+
+def check_router_kernel(router_kernel, d_model: int) -> None:
+    """Require a floating [d_model, num_experts] router kernel."""
+    _checks.floating("router_kernel", router_kernel, ndim=2, layout="[d_model, num_experts]")
+    if router_kernel.shape[0] != d_model:
+        raise ValueError(f"router_kernel must be [d_model={d_model}, num_experts], got shape "
+                         f"{tuple(router_kernel.shape)}")
 
 
 def expert_capacity(num_tokens: int, num_experts: int, num_selected: int,

@@ -1,0 +1,160 @@
+"""Mixtral (`MixtralForCausalLM`) checkpoints <-> tfx `Decoder` with a mixture of experts.
+
+Mixtral is Mistral (RMSNorm, grouped-query attention, "half" rotary layout, an optional sliding
+window) with a sparse MoE block in place of every MLP: a bias-free router over E experts picks
+the k most probable by softmax over all E, weighted by their probabilities renormalised over the
+k (tfx's `router_policy="topk"`, dropless), and each expert is a SwiGLU MLP
+(w1 = gate, w3 = up, w2 = down). Attention and norms map as in `tfx.hf.llama`.
+
+Tensors. `save_pretrained` (transformers 5) writes, and Hub checkpoints hold, one tensor per
+expert: `model.layers.{i}.block_sparse_moe.gate.weight` [E, d] and
+`model.layers.{i}.block_sparse_moe.experts.{j}.w1|w3.weight` [f, d], `.w2.weight` [d, f].
+transformers 5 fuses them in memory as `model.layers.{i}.mlp.experts.gate_up_proj` [E, 2f, d]
+(gate first) and `.down_proj` [E, d, f], with the router at `mlp.gate.weight`; both layouts, and
+either prefix, are read. `save` writes the per-expert layout. tfx stacks the experts:
+`stack/layers/{i}/mlp/router/kernel` [d, E], `mlp/experts/gate|up` [E, d, f],
+`mlp/experts/down` [E, f, d].
+
+Training settings. HF adds `router_aux_loss_coef · L` to the loss only when
+`output_router_logits` is true, with a load-balancing loss L that scores a balanced router k
+(it counts k choices per token as fractions of the tokens); tfx's loss scores it 1, so the
+weight read is `router_aux_loss_coef · k` (0 when `output_router_logits` is false) and saving
+divides by k. Mixtral has no router z-loss (weight 0 on load; not written on save).
+`router_jitter_noise` multiplies the whole MoE input (router and experts) in training, tfx's
+`router_jitter` only the router logits: it is not carried either way (0 on load and save);
+inference is unaffected by both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tfx.hf import io, llama
+from tfx.models.config import DecoderConfig
+
+__all__ = ["ARCHITECTURES", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
+           "params_from_hf", "params_to_hf"]
+
+ARCHITECTURES = ("MixtralForCausalLM",)
+OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
+
+# MixtralConfig's defaults, for config.json files that leave a field out.
+_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                 head_dim=None, hidden_act="silu", max_position_embeddings=4096 * 32,
+                 rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None,
+                 num_experts_per_tok=2, num_local_experts=8, output_router_logits=False,
+                 router_aux_loss_coef=0.001, router_jitter_noise=0.0)
+_DEFAULT_THETA = 1e6  # MixtralConfig.default_theta, for a config.json that names no rope_theta
+_DEFAULT_AUX_COEF = _DEFAULTS["router_aux_loss_coef"]
+# What every Mixtral MoE is, in tfx terms (checked again on export).
+_MOE_FIXED = dict(moe_every=1, capacity_factor=None, router_policy="topk")
+_ROUTER = ("mlp", "router", "kernel")
+_EXPERTS = ("gate", "up", "down")
+
+
+def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
+    """MixtralConfig fields (config.json as a dict) -> DecoderConfig with experts; dropout off."""
+    hf = {**_DEFAULTS, **hf}
+    if hf.get("num_key_value_heads") is None:  # MixtralConfig: None means MHA
+        hf["num_key_value_heads"] = hf["num_attention_heads"]
+    experts, k = hf["num_local_experts"], hf["num_experts_per_tok"]
+    if not (isinstance(experts, int) and experts >= 1):
+        raise ValueError(f"{architecture}: num_local_experts must be an int >= 1, got {experts}")
+    if not (isinstance(k, int) and 1 <= k <= experts):
+        raise ValueError(f"{architecture}: num_experts_per_tok must be in [1, num_local_experts"
+                         f"={experts}], got {k}")
+    if k == 1:
+        # HF renormalises the one weight to 1; tfx's top-1 (Switch) keeps the probability.
+        raise ValueError(f"{architecture}: num_experts_per_tok=1 is not supported (transformers "
+                         "weights the single expert by 1, tfx's top-1 router by its probability)")
+    balance = float(hf["router_aux_loss_coef"]) * k if hf["output_router_logits"] else 0.0
+    return llama.decoder_config(
+        hf, architecture, use_bias=False, sliding_window=hf["sliding_window"],
+        default_theta=_DEFAULT_THETA, num_experts=experts, experts_per_token=k,
+        moe_d_ff=hf["intermediate_size"], router_jitter=0.0, load_balancing_weight=balance,
+        router_z_weight=0.0, **_MOE_FIXED)
+
+
+def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
+    """DecoderConfig -> MixtralConfig fields; ValueError for what Mixtral cannot express."""
+    hf = llama.decoder_config_to_hf(config, architecture, "mixtral")
+    if config.num_experts < 1:
+        raise ValueError(f"{architecture} needs num_experts >= 1 (a dense model saves as "
+                         "LlamaForCausalLM or MistralForCausalLM)")
+    for name, value in _MOE_FIXED.items():
+        if getattr(config, name) != value:
+            raise ValueError(f"{architecture} cannot express {name}={getattr(config, name)!r} "
+                             f"(it has {name}={value!r})")
+    if config.experts_per_token == 1:
+        raise ValueError(f"{architecture} cannot express experts_per_token=1 (it weights a "
+                         "single expert by 1, tfx by its probability)")
+    if config.use_bias:
+        raise ValueError(f"{architecture} cannot express use_bias=True (it has no biases)")
+    k = config.experts_per_token
+    weight = config.load_balancing_weight
+    # MixtralConfig keeps head_dim None (d_model // heads) where LlamaConfig fills it in.
+    hf.update(head_dim=config.head_dim, intermediate_size=_expert_width(config),
+              sliding_window=config.sliding_window,
+              num_local_experts=config.num_experts, num_experts_per_tok=k,
+              output_router_logits=weight > 0,
+              router_aux_loss_coef=weight / k if weight > 0 else _DEFAULT_AUX_COEF,
+              router_jitter_noise=0.0)
+    return hf
+
+
+def params_from_hf(tensors: dict[str, np.ndarray], config: DecoderConfig) -> dict:
+    """MixtralForCausalLM tensors (per-expert or fused layout) -> tfx parameters by state path."""
+    params = llama.params_from_hf(tensors, config)  # all but the MoE blocks
+    for i in range(config.num_layers):
+        layer, block = ("stack", "layers", i), _block(tensors, i)
+        params[(*layer, *_ROUTER)] = io.tensor(tensors, f"{block}.gate.weight").T
+        for name, value in zip(_EXPERTS, _experts(tensors, block, config.num_experts),
+                               strict=True):
+            params[(*layer, "mlp", "experts", name)] = value
+    return params
+
+
+def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
+    """tfx parameters by state path -> the per-expert tensors that save_pretrained writes
+    (lm_head left out when tied)."""
+    tensors = llama.params_to_hf(params, config)  # all but the MoE blocks
+    for i in range(config.num_layers):
+        layer, block = ("stack", "layers", i), f"model.layers.{i}.block_sparse_moe"
+        tensors[f"{block}.gate.weight"] = np.asarray(params[(*layer, *_ROUTER)]).T
+        for name, hf_name in zip(_EXPERTS, ("w1", "w3", "w2"), strict=True):
+            stacked = np.asarray(params[(*layer, "mlp", "experts", name)])
+            for j in range(config.num_experts):
+                # nn.Linear weights are [out, in]: w1, w3 [f, d] and w2 [d, f].
+                tensors[f"{block}.experts.{j}.{hf_name}.weight"] = stacked[j].T
+    return tensors
+
+
+def _expert_width(config: DecoderConfig) -> int:
+    return config.d_ff if config.moe_d_ff is None else config.moe_d_ff
+
+
+def _block(tensors: dict, layer: int) -> str:
+    """Prefix of layer `layer`'s MoE tensors: `block_sparse_moe` (saved) or `mlp` (fused)."""
+    for name in ("block_sparse_moe", "mlp"):
+        prefix = f"model.layers.{layer}.{name}"
+        if f"{prefix}.gate.weight" in tensors:
+            return prefix
+    raise ValueError(f"tensor 'model.layers.{layer}.block_sparse_moe.gate.weight' is missing "
+                     "from the checkpoint")
+
+
+def _experts(tensors: dict, block: str, num_experts: int) -> tuple[np.ndarray, ...]:
+    """(gate [E, d, f], up [E, d, f], down [E, f, d]) from either tensor layout."""
+    fused = f"{block}.experts.gate_up_proj"
+    if fused in tensors:
+        gate_up = tensors[fused]  # [E, 2f, d], gate rows first
+        if gate_up.ndim != 3 or gate_up.shape[1] % 2:
+            raise ValueError(f"tensor {fused!r} has shape {gate_up.shape}, expected [E, 2f, d]")
+        f = gate_up.shape[1] // 2
+        down = io.tensor(tensors, f"{block}.experts.down_proj")  # [E, d, f]
+        return (gate_up[:, :f].transpose(0, 2, 1), gate_up[:, f:].transpose(0, 2, 1),
+                down.transpose(0, 2, 1))
+    per_expert = [[io.tensor(tensors, f"{block}.experts.{j}.{w}.weight").T
+                   for j in range(num_experts)] for w in ("w1", "w3", "w2")]
+    return tuple(np.stack(ws) for ws in per_expert)
