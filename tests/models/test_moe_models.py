@@ -117,6 +117,18 @@ def test_cached_decoding_equals_the_full_forward():
     assert out.shape == (2, 7)
 
 
+def test_shared_experts_add_a_dense_mlp():
+    model = _model(num_experts=4, experts_per_token=2, moe_shared_experts=2)
+    block = model.stack.layers[0].mlp
+    assert block.shared.up.kernel.shape == (16, 48)  # 2 shared experts of width d_ff = 24
+    x = jax.random.normal(jax.random.key(0), (2, 5, 16))
+    shared = block.shared
+    block.shared = None
+    routed = block(x)
+    block.shared = shared
+    np.testing.assert_allclose(block(x), routed + shared(x), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("overrides, field", [
     (dict(num_experts=-1), "num_experts"),
     (dict(num_experts=2, experts_per_token=3), "experts_per_token"),
@@ -128,6 +140,8 @@ def test_cached_decoding_equals_the_full_forward():
     (dict(num_experts=4, moe_every=2, scan_layers=True), "moe_every"),
     (dict(num_experts=4, moe_d_ff=0), "moe_d_ff"),
     (dict(num_experts=4, load_balancing_weight=-0.1), "load_balancing_weight"),
+    (dict(num_experts=4, moe_shared_experts=-1), "moe_shared_experts"),
+    (dict(num_experts=4, router_bias_rate=-1.0), "router_bias_rate"),
 ])
 def test_bad_moe_settings(overrides, field):
     with pytest.raises(ValueError, match=field):

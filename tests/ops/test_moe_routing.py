@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfx.ops.moe import expert_capacity, route
+from tfx.ops.moe import expert_capacity, expert_load, route, update_selection_bias
 
 
 def _logits_preferring(experts_of_tokens, num_experts, strength=20.0):
@@ -184,6 +184,46 @@ class TestRandomness:
                                    route(logits + 1.0, num_selected=1).router_z_loss)
 
 
+class TestDeepSeek:
+    def test_sigmoid_scores_renormalised_over_the_chosen(self):
+        logits = jax.random.normal(jax.random.key(13), (10, 6))
+        routing = route(logits, num_selected=2, policy="deepseek")
+        scores = np.asarray(jax.nn.sigmoid(logits))
+        order = np.argsort(-scores, axis=1)[:, :2]
+        top = np.take_along_axis(scores, order, 1)
+        np.testing.assert_array_equal(routing.expert_ids, order)
+        np.testing.assert_allclose(routing.weights, top / top.sum(1, keepdims=True), rtol=1e-5)
+        # The load-balancing loss takes P from the scores normalised over the experts.
+        f = np.bincount(order.ravel(), minlength=6) / 20
+        expected = 6 * np.sum(f * (scores / scores.sum(1, keepdims=True)).mean(0))
+        np.testing.assert_allclose(routing.load_balancing_loss, expected, rtol=1e-5)
+
+    def test_the_bias_selects_but_does_not_weigh(self):
+        logits = jnp.asarray([[2.0, 1.0, 0.0, -1.0]])
+        bias = jnp.asarray([0.0, 0.0, 0.0, 5.0])
+        routing = route(logits, num_selected=2, policy="deepseek", selection_bias=bias)
+        np.testing.assert_array_equal(routing.expert_ids, [[3, 0]])
+        s = jax.nn.sigmoid(logits[0])
+        np.testing.assert_allclose(routing.weights[0], jnp.stack([s[3], s[0]]) / (s[3] + s[0]),
+                                   rtol=1e-6)
+
+    def test_bias_updates_balance_the_load(self):
+        # Step rule: bias_i += rate · sign(mean load − load_i).
+        np.testing.assert_allclose(
+            update_selection_bias(jnp.zeros(4), jnp.asarray([0.5, 0.25, 0.25, 0.0]), 0.1),
+            [-0.1, 0.0, 0.0, 0.1])
+        logits = (jax.random.normal(jax.random.key(14), (64, 8))
+                  + 0.3 * jnp.arange(8))  # skewed toward the last experts
+        bias = jnp.zeros(8)
+        before = expert_load(route(logits, num_selected=2, policy="deepseek"), 8)
+        for _ in range(300):
+            load = expert_load(route(logits, num_selected=2, policy="deepseek",
+                                     selection_bias=bias), 8)
+            bias = update_selection_bias(bias, load, 0.01)
+        assert before.max() > 0.25 and load.max() < 0.16
+        np.testing.assert_allclose(load.sum(), 1.0, rtol=1e-6)
+
+
 class TestBadInput:
     @pytest.mark.parametrize("kwargs, message", [
         (dict(num_selected=5), "num_selected"),
@@ -203,6 +243,13 @@ class TestBadInput:
     def test_logits_of_the_wrong_rank(self, shape):
         with pytest.raises(ValueError, match="router_logits"):
             route(jnp.zeros(shape), num_selected=1)
+
+    def test_selection_bias_outside_deepseek_or_of_the_wrong_shape(self):
+        with pytest.raises(ValueError, match="selection_bias is for policy 'deepseek'"):
+            route(jnp.zeros((3, 4)), num_selected=1, selection_bias=jnp.zeros(4))
+        with pytest.raises(ValueError, match="selection_bias must be"):
+            route(jnp.zeros((3, 4)), num_selected=1, policy="deepseek",
+                  selection_bias=jnp.zeros(5))
 
     def test_token_mask_of_the_wrong_shape(self):
         with pytest.raises(ValueError, match="token_mask"):

@@ -13,6 +13,7 @@ from flax import nnx
 from train_cases import tiny
 
 from tfx.models import create, moe_losses
+from tfx.train.experts import expert_loads
 from tfx.train.objectives import causal_lm, sequence_to_sequence
 from tfx.train.optim import make_optimizer
 from tfx.train.step import finish_eval, init_train_state, make_eval_step, make_train_step
@@ -130,3 +131,20 @@ def test_moe_losses_join_the_training_loss():
         np.testing.assert_allclose(metrics[name], value, rtol=1e-5)
     np.testing.assert_allclose(metrics["loss"], cross_entropy + 0.5 * losses["load_balancing_loss"]
                                + 0.1 * losses["router_z_loss"], rtol=1e-5)
+
+
+def test_deepseek_selection_bias_moves_by_the_rate_not_by_the_optimiser():
+    _, model, optimizer = _setup("moe_gpt", router_policy="deepseek", router_bias_rate=0.01,
+                                 moe_shared_experts=1)
+    graphdef, rest, state = init_train_state(model, optimizer, seed=0)
+    step = make_train_step(graphdef, rest, optimizer, causal_lm, grad_accum=2)
+    batch = _tokens(batch=8)
+    loads = expert_loads(nnx.merge(graphdef, state.params, rest))
+    assert list(loads) == ["stack/layers/0/mlp/selection_bias"]
+    for _ in range(3):
+        state, metrics = step(state, batch)
+    bias = np.asarray(state.params["stack"]["layers"][0]["mlp"]["selection_bias"][...])
+    steps = bias / 0.01  # three moves of -1, 0 or +1 each
+    np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)
+    assert np.abs(bias).max() > 0 and np.abs(steps).max() <= 3 + 1e-4
+    assert np.isfinite(metrics["loss"])

@@ -48,7 +48,7 @@ _DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
 _DEFAULT_THETA = 1e6  # MixtralConfig.default_theta, for a config.json that names no rope_theta
 _DEFAULT_AUX_COEF = _DEFAULTS["router_aux_loss_coef"]
 # What every Mixtral MoE is, in tfx terms (checked again on export).
-_MOE_FIXED = dict(moe_every=1, capacity_factor=None, router_policy="topk")
+_MOE_FIXED = dict(moe_every=1, capacity_factor=None, router_policy="topk", moe_shared_experts=0)
 _ROUTER = ("mlp", "router", "kernel")
 _EXPERTS = ("gate", "up", "down")
 

@@ -58,7 +58,8 @@ class Block(nnx.Module):
                            experts_per_token=c.experts_per_token, activation=c.activation,
                            gated=c.gated_mlp, capacity_factor=c.capacity_factor,
                            policy=c.router_policy, jitter=c.router_jitter,
-                           implementation=c.moe_dispatch, rngs=rngs, **kinds)
+                           implementation=c.moe_dispatch, shared_experts=c.moe_shared_experts,
+                           rngs=rngs, **kinds)
         else:
             self.mlp = MLP(c.d_model, c.d_ff, activation=c.activation, gated=c.gated_mlp,
                            use_bias=c.use_bias, rngs=rngs, **kinds)

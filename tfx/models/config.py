@@ -68,6 +68,8 @@ class TransformerConfig:
     router_policy: str = "topk"
     router_jitter: float = 0.0
     moe_dispatch: str = "sorted"
+    moe_shared_experts: int = 0  # always-active experts beside the routed ones (DeepSeek)
+    router_bias_rate: float = 0.001  # "deepseek" policy: selection-bias step per train step
     load_balancing_weight: float = 0.01  # weights of the auxiliary losses in the training loss
     router_z_weight: float = 0.001
 
@@ -117,7 +119,8 @@ class TransformerConfig:
         if not 0.0 <= self.router_jitter < 1.0:
             raise ValueError(f"router_jitter must be in [0, 1), got {self.router_jitter}")
         _one_of("moe_dispatch", self.moe_dispatch, moe.IMPLEMENTATIONS)
-        for name in ("load_balancing_weight", "router_z_weight"):
+        _positive_int("moe_shared_experts", self.moe_shared_experts, minimum=0)
+        for name in ("load_balancing_weight", "router_z_weight", "router_bias_rate"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.num_experts and self.scan_layers and self.moe_every != 1:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfx.nn.mlp import MLP
 from tfx.ops import moe
 
 __all__ = ["Experts", "MoE"]
@@ -52,15 +53,21 @@ class MoE(nnx.Module):
       num_experts, experts_per_token: E and k.
       activation, gated: the experts' MLP form (gated silu = SwiGLU, as Mixtral).
       capacity_factor: None for dropless routing.
-      policy: "topk" or "gshard". jitter: Switch's router noise in training.
+      policy: "topk", "gshard" or "deepseek"; with "deepseek" the block holds a
+        `selection_bias` [E] (a Param that tfx.train moves toward balance instead of
+        training it) and records its `expert_load` [E] in train mode.
+      jitter: Switch's router noise in training.
       implementation: the dispatch of tfx.ops.moe.experts_ffn ("sorted", "onehot", "ragged").
+      shared_experts: that many always-active experts (one MLP of width shared · d_ff) whose
+        output is added to the routed experts' (DeepSeek).
       dtype: compute dtype of the experts (the router always computes in float32).
     """
 
     def __init__(self, d_model: int, d_ff: int, *, num_experts: int, experts_per_token: int,
                  activation: str = "silu", gated: bool = True,
                  capacity_factor: float | None = None, policy: str = "topk",
-                 jitter: float = 0.0, implementation: str = "sorted", dtype=None,
+                 jitter: float = 0.0, implementation: str = "sorted",
+                 shared_experts: int = 0, dtype=None,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.router = nnx.Linear(d_model, num_experts, use_bias=False, param_dtype=param_dtype,
                                  rngs=rngs)
@@ -71,6 +78,14 @@ class MoE(nnx.Module):
         self.options = tuple(dict(num_selected=experts_per_token, policy=policy,
                                   capacity_factor=capacity_factor, jitter=jitter,
                                   activation=activation, implementation=implementation).items())
+        self.shared = (MLP(d_model, shared_experts * d_ff, activation=activation, gated=gated,
+                           use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                       if shared_experts else None)
+        deepseek = policy == "deepseek"
+        self.selection_bias = (nnx.Param(jnp.zeros((num_experts,), jnp.float32)) if deepseek
+                               else None)
+        self.expert_load = (nnx.Intermediate(jnp.zeros((num_experts,), jnp.float32))
+                            if deepseek else None)
         self.dtype = dtype
         random = jitter > 0 or policy == "gshard"
         self.rngs = rngs["router"].fork() if random else nnx.data(None)
@@ -85,6 +100,8 @@ class MoE(nnx.Module):
             tokens = tokens.astype(self.dtype)
         rng = None if self.deterministic or self.rngs is None else self.rngs()
         options = dict(self.options)
+        if self.selection_bias is not None:
+            options["selection_bias"] = self.selection_bias[...]
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and mesh.shape.get("expert", 1) > 1:
             del options["implementation"]  # each device runs its experts as one batch
@@ -97,4 +114,7 @@ class MoE(nnx.Module):
         if not self.deterministic:
             self.load_balancing_loss.set_value(routing.load_balancing_loss)
             self.router_z_loss.set_value(routing.router_z_loss)
-        return out.reshape(x.shape)
+            if self.expert_load is not None:
+                self.expert_load.set_value(moe.expert_load(routing, self.experts.up.shape[0]))
+        out = out.reshape(x.shape)
+        return out if self.shared is None else out + self.shared(x)

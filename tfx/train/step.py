@@ -15,14 +15,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from tfx.models import aux_loss, moe_losses
+from tfx.train.experts import MOE_METRICS, add_moe_losses, balance_experts, expert_loads
 
 __all__ = ["MOE_METRICS", "TrainState", "finish_eval", "init_train_state", "make_eval_step",
            "make_train_step"]
-
-
-# Training metrics of models with experts (means over MoE layers, tfx.models.moe_losses).
-MOE_METRICS = ("load_balancing_loss", "router_z_loss")
 
 
 @struct.dataclass
@@ -89,16 +85,17 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
         def loss_sum(p):
             model = _merge(graphdef, p, rest, rng, train=True)
             total, count, metrics = objective(model, batch, jax.random.fold_in(rng, 0), **kwargs)
-            total, metrics = _add_moe_losses(model, total, count, metrics)
-            return total, (count, metrics)
-        (total, (count, metrics)), grads = jax.value_and_grad(loss_sum, has_aux=True)(params)
-        return grads, total, count, metrics
+            total, metrics = add_moe_losses(model, total, count, metrics)
+            return total, (count, metrics, expert_loads(model))
+        (total, (count, metrics, loads)), grads = jax.value_and_grad(loss_sum,
+                                                                     has_aux=True)(params)
+        return grads, total, count, metrics, loads
 
     @_under(mesh)
     def train_step(state: TrainState, batch: dict):
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         if grad_accum == 1:
-            grads, total, count, sums = sums_and_grads(state.params, batch, rng)
+            grads, total, count, sums, loads = sums_and_grads(state.params, batch, rng)
         else:
             # Micro-batch i takes rows i, i + grad_accum, ...: strided, so that each micro-batch
             # stays spread over every device of a sharded batch axis.
@@ -112,14 +109,16 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
 
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
                 sums_and_grads, state.params, jax.tree.map(lambda x: x[0], micro), rng))
-            (grads, total, count, sums), _ = jax.lax.scan(
+            (grads, total, count, sums, loads), _ = jax.lax.scan(
                 accumulate, zeros, (jnp.arange(grad_accum), micro))
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count.astype(g.dtype), grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        new_state = state.replace(step=state.step + 1,
-                                  params=optax.apply_updates(state.params, updates),
-                                  opt_state=opt_state)
+        params = optax.apply_updates(state.params, updates)
+        if loads:
+            config = _merge(graphdef, state.params, rest, rng, train=False).config
+            params = balance_experts(state.params, params, loads, config.router_bias_rate)
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         metrics = {"loss": total / count, "grad_norm": optax.tree.norm(grads),
                    **_ratios(sums)}
         return new_state, metrics
@@ -174,16 +173,6 @@ def finish_eval(results: list) -> dict:
     count = max(float(count), 1.0)
     return {"loss": float(total) / count,
             **{k: float(v) for k, v in _ratios(sums).items()}}
-
-
-def _add_moe_losses(model, total, count, metrics):
-    """Add the weighted MoE auxiliary losses (once per target, so that the mean over targets
-    is cross-entropy + aux) and their values as metric sums; no-op without experts."""
-    if not getattr(model.config, "num_experts", 0):
-        return total, metrics
-    losses = moe_losses(model)
-    metrics = {**metrics, **{name: value * count for name, value in losses.items()}}
-    return total + count * aux_loss(model), metrics
 
 
 def _ratios(sums: dict) -> dict:

@@ -16,13 +16,16 @@ from tfx.ops.moe.routing import (
     PRIORITIES,
     Routing,
     expert_capacity,
+    expert_load,
     route,
     router_logits,
+    update_selection_bias,
 )
 
 __all__ = ["IMPLEMENTATIONS", "POLICIES", "PRIORITIES", "ExpertWeights", "Routing",
-           "batched_experts", "expert_capacity", "expert_parallel_moe", "experts_ffn",
-           "grouped_matmul", "moe", "route", "router_logits"]
+           "batched_experts", "expert_capacity", "expert_load", "expert_parallel_moe",
+           "experts_ffn", "grouped_matmul", "moe", "route", "router_logits",
+           "update_selection_bias"]
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -31,7 +34,8 @@ __all__ = ["IMPLEMENTATIONS", "POLICIES", "PRIORITIES", "ExpertWeights", "Routin
 def moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertWeights, *, num_selected: int,
         policy: str = "topk", capacity_factor: float | None = None,
         rng: jax.Array | None = None, jitter: float = 0.0, priority: str = "position",
-        token_mask: jax.Array | None = None, activation: str = "silu",
+        token_mask: jax.Array | None = None, selection_bias: jax.Array | None = None,
+        activation: str = "silu",
         implementation: str = "sorted", block_size: int = 128) -> tuple[jax.Array, Routing]:
     """A mixture-of-experts MLP: route x [tokens, d_model] with router_kernel [d_model, E],
     run the experts and combine. Returns ([tokens, d_model], the Routing with its losses).
@@ -39,7 +43,7 @@ def moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertWeights, *, num_s
     _checks.floating("x", x, ndim=2, layout="[tokens, d_model]")
     routing = route(router_logits(x, router_kernel), num_selected=num_selected, policy=policy,
                     capacity_factor=capacity_factor, rng=rng, jitter=jitter, priority=priority,
-                    token_mask=token_mask)
+                    token_mask=token_mask, selection_bias=selection_bias)
     out = experts_ffn(x, routing, weights, activation=activation,
                       implementation=implementation, block_size=block_size)
     return out, routing

@@ -57,6 +57,7 @@ def expert_parallel_moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertW
                         policy: str = "topk", capacity_factor: float | None = None,
                         rng: jax.Array | None = None, jitter: float = 0.0,
                         priority: str = "position", token_mask: jax.Array | None = None,
+                        selection_bias: jax.Array | None = None,
                         activation: str = "silu") -> tuple[jax.Array, Routing]:
     """`tfx.ops.moe.moe` with the experts split over the mesh axis `expert_axis`.
 
@@ -70,9 +71,9 @@ def expert_parallel_moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertW
         by its size.
       mesh: a Mesh or AbstractMesh (inside `jax.set_mesh`, `jax.sharding.get_abstract_mesh()`).
         Axes other than the batch and expert axes (e.g. "tensor") compute redundantly.
-      num_selected, policy, capacity_factor, jitter, priority, token_mask ([tokens] bool,
-        split like x): as in `route`, applied to each group's own tokens, so the capacity is
-        ceil(cf · group tokens · k / E) per group.
+      num_selected, policy, capacity_factor, jitter, priority, selection_bias (replicated),
+        token_mask ([tokens] bool, split like x): as in `route`, applied to each group's own
+        tokens, so the capacity is ceil(cf · group tokens · k / E) per group.
       rng: folded with the group's index, so that the groups draw different noise.
       activation: a key of tfx.ops.activations.ACTIVATIONS.
     Returns:
@@ -90,14 +91,15 @@ def expert_parallel_moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertW
                             capacity=expert_capacity(group_tokens, router_kernel.shape[1],
                                                      num_selected, capacity_factor))
 
-    def local(x, router_kernel, weights, rng, token_mask):
+    def local(x, router_kernel, weights, rng, token_mask, selection_bias):
         group = 0
         for axis in token_axes:  # row-major over the axes, as the PartitionSpec lays them out
             group = group * mesh.shape[axis] + jax.lax.axis_index(axis)
         routing = route(router_logits(x, router_kernel), num_selected=num_selected, policy=policy,
                         capacity_factor=capacity_factor,
                         rng=None if rng is None else jax.random.fold_in(rng, group),
-                        jitter=jitter, priority=priority, token_mask=token_mask)
+                        jitter=jitter, priority=priority, token_mask=token_mask,
+                        selection_bias=selection_bias)
         out = _exchange_and_run(x, routing, weights, mesh.shape[expert_axis], expert_axis,
                                 activation)
         return out, dataclasses.replace(
@@ -105,8 +107,10 @@ def expert_parallel_moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertW
             router_z_loss=jax.lax.pmean(routing.router_z_loss, token_axes))
 
     out, routing = jax.shard_map(
-        local, mesh=mesh, in_specs=(tokens, PartitionSpec(), experts, PartitionSpec(), tokens),
-        out_specs=(tokens, routing_specs))(x, router_kernel, weights, rng, token_mask)
+        local, mesh=mesh,
+        in_specs=(tokens, PartitionSpec(), experts, PartitionSpec(), tokens, PartitionSpec()),
+        out_specs=(tokens, routing_specs))(x, router_kernel, weights, rng, token_mask,
+                                           selection_bias)
     return out, routing
 
 

@@ -8,6 +8,10 @@ Definitions (see REFERENCES.md, "MoE"):
   nothing from the task loss;
 - "gshard": top-2 with renormalised gates g1, g2; the second expert is kept with probability
   min(1, 2·g2), drawn with `rng` (no `rng`: always kept, the deterministic evaluation form);
+- "deepseek" (DeepSeek-V3): sigmoid scores s = σ(logits); the k experts with the highest
+  s + selection_bias are chosen, and weighted by their s renormalised over the k. The bias
+  only selects: `update_selection_bias` moves it by ±rate toward balance after each step
+  (auxiliary-loss-free balancing). For the load-balancing loss P uses s / Σ s;
 - capacity C = ceil(capacity_factor · tokens · k / E) assignments per expert; the assignments
   are queued first choices before second choices, tokens in `priority` order within a choice
   ("position": sequence order as GShard; "probability": highest top-1 probability first, the
@@ -30,10 +34,10 @@ import jax.numpy as jnp
 
 from tfx.ops import _checks
 
-__all__ = ["POLICIES", "PRIORITIES", "Routing", "check_router_kernel", "expert_capacity", "route",
-           "router_logits"]
+__all__ = ["POLICIES", "PRIORITIES", "Routing", "check_router_kernel", "expert_capacity",
+           "expert_load", "route", "router_logits", "update_selection_bias"]
 
-POLICIES = ("topk", "gshard")
+POLICIES = ("topk", "gshard", "deepseek")
 PRIORITIES = ("position", "probability")
 
 
@@ -92,13 +96,14 @@ def expert_capacity(num_tokens: int, num_experts: int, num_selected: int,
 def route(router_logits: jax.Array, *, num_selected: int, policy: str = "topk",
           capacity_factor: float | None = None, rng: jax.Array | None = None,
           jitter: float = 0.0, renormalize: bool | None = None, priority: str = "position",
-          token_mask: jax.Array | None = None) -> Routing:
+          token_mask: jax.Array | None = None,
+          selection_bias: jax.Array | None = None) -> Routing:
     """Route each token to `num_selected` experts.
 
     Args:
       router_logits: float [tokens, num_experts].
       num_selected: k, experts per token (2 for "gshard").
-      policy: "topk" or "gshard" (see the module docstring).
+      policy: "topk", "gshard" or "deepseek" (see the module docstring).
       capacity_factor: > 0 for a capacity of ceil(cf · tokens · k / E) per expert; None for
         dropless routing.
       rng: key for the random parts (jitter, GShard's second choice); None = deterministic.
@@ -108,6 +113,7 @@ def route(router_logits: jax.Array, *, num_selected: int, policy: str = "topk",
       priority: queue order for capacity, "position" or "probability".
       token_mask: optional bool [tokens]; False tokens (padding) route nowhere and count in
         neither loss.
+      selection_bias: float [num_experts] added to the scores for choosing only ("deepseek").
     Returns:
       a `Routing`.
     """
@@ -126,6 +132,13 @@ def route(router_logits: jax.Array, *, num_selected: int, policy: str = "topk",
         raise ValueError(f"jitter must be in [0, 1), got {jitter}")
     if priority not in PRIORITIES:
         raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
+    if selection_bias is not None:
+        if policy != "deepseek":
+            raise ValueError(f"selection_bias is for policy 'deepseek', got policy {policy!r}")
+        _checks.floating("selection_bias", selection_bias, ndim=1, layout="[num_experts]")
+        if selection_bias.shape != (experts,):
+            raise ValueError(f"selection_bias must be [num_experts] = ({experts},), got shape "
+                             f"{tuple(selection_bias.shape)}")
     if token_mask is None:
         token_mask = jnp.ones((tokens,), bool)
     else:
@@ -143,8 +156,7 @@ def route(router_logits: jax.Array, *, num_selected: int, policy: str = "topk",
     if jitter and jitter_rng is not None:
         logits = logits * jax.random.uniform(jitter_rng, logits.shape, minval=1.0 - jitter,
                                              maxval=1.0 + jitter)
-    probs = jax.nn.softmax(logits, axis=-1)
-    top, expert_ids = jax.lax.top_k(probs, k)
+    probs, top, expert_ids = _choose(logits, k, policy, selection_bias)
     weights = top / top.sum(-1, keepdims=True) if renormalize else top
 
     choices = jax.nn.one_hot(expert_ids, experts, dtype=jnp.float32) * valid[:, None, None]
@@ -162,6 +174,35 @@ def route(router_logits: jax.Array, *, num_selected: int, policy: str = "topk",
     return Routing(expert_ids=expert_ids.astype(jnp.int32), weights=weights, kept=kept,
                    slot=slot, load_balancing_loss=load_balancing_loss,
                    router_z_loss=router_z_loss, capacity=capacity)
+
+
+def _choose(logits, k: int, policy: str, selection_bias):
+    """(P [tokens, E]: the probabilities of the load-balancing loss, the chosen experts'
+    scores [tokens, k], their ids [tokens, k])."""
+    if policy != "deepseek":
+        probs = jax.nn.softmax(logits, axis=-1)
+        return (probs, *jax.lax.top_k(probs, k))
+    scores = jax.nn.sigmoid(logits)
+    choice = scores if selection_bias is None else scores + selection_bias.astype(jnp.float32)
+    _, expert_ids = jax.lax.top_k(choice, k)
+    top = jnp.take_along_axis(scores, expert_ids, axis=-1)
+    return scores / scores.sum(-1, keepdims=True), top, expert_ids
+
+
+def expert_load(routing: Routing, num_experts: int) -> jax.Array:
+    """float32 [num_experts]: each expert's share of the kept assignments (sums to 1, or to 0
+    when nothing was kept)."""
+    counts = jnp.zeros((num_experts,), jnp.float32).at[routing.expert_ids].add(
+        routing.kept.astype(jnp.float32))
+    return counts / jnp.maximum(counts.sum(), 1.0)
+
+
+def update_selection_bias(selection_bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
+    """DeepSeek-V3's auxiliary-loss-free balancing: bias_i + rate · sign(mean load − load_i),
+    raising the bias of underloaded experts and lowering that of overloaded ones.
+    selection_bias, load: [..., num_experts] (load as from `expert_load`)."""
+    mean = load.mean(-1, keepdims=True)
+    return selection_bias + rate * jnp.sign(mean - load).astype(selection_bias.dtype)
 
 
 def _queue_slots(expert_ids, selected, top_prob, experts: int, priority: str) -> jax.Array:
