@@ -1,5 +1,6 @@
-"""`tfx train` itself on a mesh of 8 CPU devices and as two processes joined by
-jax.distributed: both end where a one-device run of the same experiment ends."""
+"""`tfx train` itself on a mesh of 8 CPU devices (data x FSDP x tensor, and expert-parallel
+mixture of experts) and as two processes joined by jax.distributed: each ends where a
+one-device run of the same experiment ends."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from tfx.train.metrics import read_metrics
 STEPS = 4
 
 
-def _command(workdir, corpus, *extra, prefix=()):
-    return [sys.executable, "-m", "tfx", *prefix, "train", "--workdir", str(workdir),
+def _command(workdir, corpus, *extra, prefix=(), experiment="gpt_char"):
+    return [sys.executable, "-m", "tfx", *prefix, "train", experiment, "--workdir", str(workdir),
             "--steps", str(STEPS), "--log-every", "1", "--checkpoint-every", str(STEPS),
             "--data", str(corpus), *TINY, *extra]
 
@@ -86,4 +87,19 @@ def test_two_processes_match_one(tmp_path, single):
         "--coordinator-address", address, "--num-processes", "2", "--process-id", str(i))),
         _env()) for i in range(2)])
     losses, params, _ = _result(tmp_path / "run")
+    assert_same_training(losses, params, ref_losses, ref_params, learning_rate=lr)
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_run_matches_one_device(tmp_path):
+    # Each device routes its own tokens, so the load-balancing loss is a mean over groups
+    # there: weight 0, so that both runs compute the same loss.
+    corpus = write_corpus(tmp_path)
+    moe = ("--model.num_experts=4", "--model.moe_d_ff=32", "--model.load_balancing_weight=0.0",
+           "--train.batch_size=8")
+    _run_all([(_command(tmp_path / "one", corpus, *moe, experiment="moe_gpt"), _env()),
+              (_command(tmp_path / "eight", corpus, *moe, "--mesh.data=2", "--mesh.expert=4",
+                        experiment="moe_gpt"), _env(8))])
+    ref_losses, ref_params, lr = _result(tmp_path / "one")
+    losses, params, _ = _result(tmp_path / "eight")
     assert_same_training(losses, params, ref_losses, ref_params, learning_rate=lr)
