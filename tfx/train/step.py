@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from tfx.parallel.rules import path_name
 from tfx.train.experts import MOE_METRICS, add_moe_losses, balance_experts, expert_loads
 
 __all__ = ["MOE_METRICS", "TrainState", "finish_eval", "init_train_state", "make_eval_step",
@@ -124,7 +125,8 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
         return new_state, metrics
 
     shardings = {} if state_sharding is None else {"out_shardings": (state_sharding, None)}
-    return jax.jit(train_step, donate_argnums=0, compiler_options=_compiler_options(),
+    return jax.jit(train_step, donate_argnums=0,
+                   compiler_options=compiler_options(has_experts=_has_experts(rest)),
                    **shardings)
 
 
@@ -142,10 +144,19 @@ def _under(mesh):
     return wrap
 
 
-def _compiler_options() -> dict | None:
-    """On CPU, turn off XLA's YNNPACK fusions: the training step's batched attention matmuls
-    and their transposes run about 1.4x faster (6-layer/384 GPT, benchmarks/train.py)."""
-    if jax.default_backend() != "cpu":
+def _has_experts(rest: nnx.State) -> bool:
+    """Whether the model has MoE layers (they record routing losses in its non-Param state)."""
+    return any(path_name(path).endswith("load_balancing_loss")
+               for path, _ in jax.tree.leaves_with_path(rest))
+
+
+def compiler_options(*, has_experts: bool) -> dict | None:
+    """On CPU, turn off XLA's YNNPACK fusions for models without experts: the training step's
+    batched attention matmuls and their transposes run about 1.4x faster (6-layer/384 GPT,
+    benchmarks/train.py). The grouped matmuls of MoE layers lose more without them (1.35x on
+    the layer, benchmarks/moe.py; moe_gpt's step 0.79 s with them, 0.85 s without), so models
+    with experts keep XLA's defaults."""
+    if jax.default_backend() != "cpu" or has_experts:
         return None
     return {"xla_cpu_experimental_ynn_fusion_type": ""}
 
