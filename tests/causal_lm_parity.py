@@ -3,6 +3,7 @@ logits from both sides, and the comparison at real positions."""
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 
 def perturb(torch, model, scale: float = 0.1):
@@ -51,3 +52,14 @@ def through_folder(hf_model, folder):
 
     hf_model.save_pretrained(folder, safe_serialization=True)
     return tfx.hf.load(folder)
+
+
+def parity_fixture(cases, hf_model):
+    """A module-scoped fixture over sorted(cases): (case, torch model `hf_model(case)`, the tfx
+    model read back from its save_pretrained folder)."""
+    @pytest.fixture(scope="module", params=sorted(cases))
+    def loaded(request, tmp_path_factory):
+        model = hf_model(request.param)
+        return request.param, model, through_folder(model, tmp_path_factory.mktemp(request.param))
+
+    return loaded

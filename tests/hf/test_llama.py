@@ -19,8 +19,8 @@ transformers = pytest.importorskip("transformers")
 from causal_lm_parity import (  # noqa: E402
     assert_logits_match,
     padded_inputs,
+    parity_fixture,
     perturb,
-    through_folder,
 )
 
 import tfx.hf  # noqa: E402
@@ -60,11 +60,7 @@ def _hf_model(case: str):
     return perturb(torch, model)
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def loaded(request, tmp_path_factory):
-    """(case, torch model, tfx model) for one case, through a save_pretrained folder."""
-    hf_model = _hf_model(request.param)
-    return request.param, hf_model, through_folder(hf_model, tmp_path_factory.mktemp(request.param))
+loaded = parity_fixture(CASES, _hf_model)
 
 
 def test_logits_match_transformers(loaded):

@@ -16,7 +16,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from causal_lm_parity import assert_logits_match, perturb, through_folder  # noqa: E402
+from causal_lm_parity import (  # noqa: E402
+    assert_logits_match,
+    parity_fixture,
+    perturb,
+)
 
 import tfx.hf  # noqa: E402
 from tfx.hf import io, mixtral  # noqa: E402
@@ -42,11 +46,7 @@ def _hf_model(case: str):
     return perturb(torch, transformers.MixtralForCausalLM(config).eval())
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def loaded(request, tmp_path_factory):
-    """(case, torch model, tfx model) for one case, through a save_pretrained folder."""
-    hf_model = _hf_model(request.param)
-    return request.param, hf_model, through_folder(hf_model, tmp_path_factory.mktemp(request.param))
+loaded = parity_fixture(CASES, _hf_model)
 
 
 def test_logits_match_transformers(loaded):
