@@ -130,18 +130,17 @@ def options_table(args) -> list[dict]:
     without YNNPACK fusions and with XLA's default CPU options (YNNPACK fusions on)."""
     experts, k = max(args.experts), max(args.k)
     runners = {}
-    for options in (NO_YNN, None):
-        runners[("dense", None, options)] = dense_runner(args, args.d_ff * k, options)
+    for label, options in (("no YNNPACK", NO_YNN), ("XLA default", None)):
+        runners[("dense", None, label)] = dense_runner(args, args.d_ff * k, options)
         for block_size in args.block_sizes:
-            runners[("sorted_dropless", block_size, options)] = moe_runner(
+            runners[("sorted_dropless", block_size, label)] = moe_runner(
                 args, experts, k, "sorted", None, block_size, options)
     rows = []
-    for (name, block_size, options), ms in interleaved_ms(runners, args.repeats).items():
+    for (name, block_size, label), ms in interleaved_ms(runners, args.repeats).items():
         rows.append({"experts": experts, "k": k, "implementation": name,
-                     "block_size": block_size,
-                     "compiler_options": "no YNNPACK" if options else "XLA default", "ms": ms})
-        print(f"E={experts} k={k} {name:15s} block {block_size!s:4s} "
-              f"{rows[-1]['compiler_options']:11s} {ms:8.1f} ms", flush=True)
+                     "block_size": block_size, "compiler_options": label, "ms": ms})
+        print(f"E={experts} k={k} {name:15s} block {block_size!s:4s} {label:11s} "
+              f"{ms:8.1f} ms", flush=True)
     return rows
 
 

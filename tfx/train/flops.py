@@ -15,11 +15,17 @@ from tfx.models.config import EncoderDecoderConfig, TransformerConfig
 __all__ = ["matmul_peak_flops", "parameter_count", "training_flops_per_token"]
 
 
-def parameter_count(params: nnx.State, *, exclude_positions: bool = True) -> int:
+def parameter_count(params: nnx.State, *, exclude_positions: bool = True,
+                    config: TransformerConfig | None = None) -> int:
     """Number of parameters; learned position tables (`.../positions/...`) are left out by
-    default, as the FLOP count asks (a lookup, not a matmul)."""
-    return sum(int(np.prod(leaf.shape)) for path, leaf in nnx.to_flat_state(params)
-               if not (exclude_positions and "positions" in path))
+    default, as the FLOP count asks (a lookup, not a matmul). Given the model's `config`, the
+    count is of the parameters one token uses: each MoE layer's experts count
+    experts_per_token / num_experts of their size (a token visits k of the E experts)."""
+    share = 1.0 if config is None or not config.num_experts else (
+        config.experts_per_token / config.num_experts)
+    return round(sum(np.prod(leaf.shape) * (share if "experts" in path else 1.0)
+                     for path, leaf in nnx.to_flat_state(params)
+                     if not (exclude_positions and "positions" in path)))
 
 
 def training_flops_per_token(config: TransformerConfig, num_params: int, seq_len: int) -> float:

@@ -139,7 +139,7 @@ def _run(trainer: Trainer, *, progress: bool) -> TrainResult:
     lead = jax.process_index() == 0  # the process that logs
     writer = MetricsWriter(trainer.workdir, resume_step=start, enabled=lead)
     flops_per_step = trainer.feed.tokens_per_batch * training_flops_per_token(
-        e.model, parameter_count(trainer.state.params), t.seq_len)
+        e.model, parameter_count(trainer.state.params, config=e.model), t.seq_len)
     peak = matmul_peak_flops()
     validation, step = {}, start
     bar = tqdm(total=t.steps, initial=start, desc=e.name, disable=not (progress and lead),
