@@ -117,6 +117,22 @@ def test_cached_decoding_equals_the_full_forward():
     assert out.shape == (2, 7)
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_padding_routes_nowhere(capacity_factor):
+    # Left padding queues first: without the mask it would take capacity from real tokens and
+    # count in the losses. With it, what the padding holds changes nothing at real positions.
+    model = _model(num_experts=4, experts_per_token=2, capacity_factor=capacity_factor)
+    model.train()
+    mask = jnp.ones((2, 10), bool).at[0, :4].set(False)
+    ids = _ids()
+    other = ids.at[0, :4].set(jnp.asarray([5, 17, 33, 2]))
+    outputs = []
+    for batch in (ids, other):
+        logits = model(batch, attention_mask=mask)
+        outputs.append((logits[mask], moe_losses(model)))
+    chex.assert_trees_all_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
+
+
 def test_shared_experts_add_a_dense_mlp():
     model = _model(num_experts=4, experts_per_token=2, moe_shared_experts=2)
     block = model.stack.layers[0].mlp

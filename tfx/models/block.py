@@ -68,6 +68,7 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, *, context: jax.Array | LayerKV | None = None,
                  context_mask: jax.Array | None = None, cache: LayerKV | None = None,
+                 token_mask: jax.Array | None = None,
                  **attention_args) -> jax.Array | tuple[jax.Array, LayerKV]:
         """[batch, seq, d_model] -> same (and the updated self-attention cache, given one).
 
@@ -77,6 +78,8 @@ class Block(nnx.Module):
           context_mask: bool mask for the cross-attention, broadcastable to
             [batch, heads, seq, src_len].
           cache: this layer's self-attention LayerKV (with `cache_step` in attention_args).
+          token_mask: bool [batch, seq], False for padding, for a mixture of experts (which
+            then routes padding nowhere); ignored by a dense MLP.
           attention_args: mask, bias, is_causal, sparsity, positions, segment ids, cache_step
             of the self-attention (see `tfx.nn.Attention`).
         """
@@ -91,7 +94,10 @@ class Block(nnx.Module):
         if self.cross_attention is not None:
             x = self._residual(x, self.cross_norm,
                                lambda h: self.cross_attention(h, context, mask=context_mask))
-        x = self._residual(x, self.mlp_norm, self.mlp)
+        def feed_forward(h):
+            return self.mlp(h, token_mask) if isinstance(self.mlp, MoE) else self.mlp(h)
+
+        x = self._residual(x, self.mlp_norm, feed_forward)
         return x if cache is None else (x, cache)
 
     def _residual(self, x, norm, branch):

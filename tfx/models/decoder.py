@@ -71,17 +71,19 @@ class Decoder(nnx.Module):
                 mask, memory_valid = cache.mask(valid)
                 positions = jnp.arange(input_ids.shape[1])  # unused: XL has only distances
                 x, hidden = self.stack(self.embeddings(input_ids, positions),
-                                       positions=positions, mask=mask, cache=cache.hidden)
+                                       positions=positions, mask=mask, cache=cache.hidden,
+                                       token_mask=valid)
                 return x, SegmentMemory(hidden=hidden, valid=memory_valid)
             step, cache = cache.plan(valid)
             x = self.embeddings(input_ids, jnp.maximum(step.query_positions, 0))
             x, layers = self.stack(x, positions=step.query_positions, cache=cache.layers,
-                                   cache_step=step)
+                                   cache_step=step, token_mask=valid)
             return x, dataclasses.replace(cache, layers=layers)
         positions = jnp.arange(input_ids.shape[1]) if position_ids is None else position_ids
         mask = None if attention_mask is None else padding_mask(attention_mask.astype(bool))
         x = self.embeddings(input_ids, positions)
-        return self.stack(x, positions=positions, mask=mask, segment_ids=segment_ids)
+        return self.stack(x, positions=positions, mask=mask, segment_ids=segment_ids,
+                          token_mask=attention_mask)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache | SegmentMemory:
         """An empty KV cache for `batch` sequences of up to `max_len` tokens in all (a ring

@@ -71,7 +71,8 @@ class Encoder(nnx.Module):
         positions = jnp.arange(input_ids.shape[1]) if position_ids is None else position_ids
         mask = None if attention_mask is None else padding_mask(attention_mask.astype(bool))
         x = self.embeddings(input_ids, positions, token_type_ids)
-        return self.stack(x, positions=positions, mask=mask).astype(jnp.float32)
+        return self.stack(x, positions=positions, mask=mask,
+                          token_mask=attention_mask).astype(jnp.float32)
 
     def pooled(self, hidden: jax.Array) -> jax.Array:
         """BERT's pooler: tanh(Linear(h[CLS])), [batch, d_model]."""

@@ -55,7 +55,7 @@ class EncoderDecoder(nnx.Module):
         positions = jnp.arange(input_ids.shape[1])
         mask = None if attention_mask is None else padding_mask(attention_mask.astype(bool))
         return self.encoder(self.encoder_embeddings(input_ids, positions), positions=positions,
-                            mask=mask)
+                            mask=mask, token_mask=attention_mask)
 
     def decode(self, decoder_input_ids: jax.Array, encoded: jax.Array | None = None, *,
                attention_mask: jax.Array | None = None,
@@ -79,7 +79,7 @@ class EncoderDecoder(nnx.Module):
             hidden = self.decoder(self.decoder_embeddings(decoder_input_ids, positions),
                                   positions=positions,
                                   mask=None if mask is None else padding_mask(mask),
-                                  context=encoded, context_mask=context_mask)
+                                  context=encoded, context_mask=context_mask, token_mask=mask)
             return self._logits(hidden)
         if encoded is not None or attention_mask is not None:
             raise ValueError("with a cache, the encoder output and its mask come from the cache: "
@@ -89,7 +89,8 @@ class EncoderDecoder(nnx.Module):
         x = self.decoder_embeddings(decoder_input_ids, jnp.maximum(step.query_positions, 0))
         hidden, layers = self.decoder(x, positions=step.query_positions, context=cache.cross,
                                       context_mask=cache.context_mask,
-                                      cache=decoder_cache.layers, cache_step=step)
+                                      cache=decoder_cache.layers, cache_step=step,
+                                      token_mask=valid)
         decoder_cache = dataclasses.replace(decoder_cache, layers=layers)
         return self._logits(hidden), dataclasses.replace(cache, decoder=decoder_cache)
 

@@ -101,7 +101,7 @@ class Stack(nnx.Module):
                  context: jax.Array | LayerKV | tuple[LayerKV, ...] | None = None,
                  context_mask: jax.Array | None = None,
                  cache: LayerKV | tuple | jax.Array | None = None,
-                 cache_step: CacheStep | None = None):
+                 cache_step: CacheStep | None = None, token_mask: jax.Array | None = None):
         """[batch, seq, d_model] -> [batch, seq, d_model] (and the updated layer caches).
 
         Args:
@@ -116,6 +116,8 @@ class Stack(nnx.Module):
             `CacheStep`; visibility then comes from the cache's positions. Or per-layer
             Transformer-XL memories (`SegmentMemory.hidden`) alone, with `mask` from
             `SegmentMemory.mask`.
+          token_mask: bool [batch, seq], False for padding tokens, which mixture-of-experts
+            layers then route nowhere.
         Returns:
           hidden states, or (hidden states, updated cache layers) when a cache is given.
         """
@@ -138,7 +140,8 @@ class Stack(nnx.Module):
         per_layer_context = isinstance(context, LayerKV | tuple)
 
         def run(h, block, layer_cache, layer_context):
-            out = block(h, context=layer_context, cache=layer_cache, **args)
+            out = block(h, context=layer_context, cache=layer_cache, token_mask=token_mask,
+                        **args)
             return out if layer_cache is not None else (out, None)
 
         run = nnx.remat(run) if self.remat else run

@@ -93,9 +93,15 @@ class MoE(nnx.Module):
         self.load_balancing_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
         self.router_z_loss = nnx.Intermediate(jnp.zeros((), jnp.float32))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """[batch, seq, d_model] -> [batch, seq, d_model]."""
+    def __call__(self, x: jax.Array, token_mask: jax.Array | None = None) -> jax.Array:
+        """[batch, seq, d_model] -> [batch, seq, d_model].
+
+        token_mask: optional bool [batch, seq], False for padding: it routes nowhere (output
+        zero, so the residual carries it), takes no capacity and counts in neither loss.
+        """
         tokens = x.reshape(-1, x.shape[-1])
+        if token_mask is not None:
+            token_mask = token_mask.astype(bool).reshape(-1)
         if self.dtype is not None:
             tokens = tokens.astype(self.dtype)
         rng = None if self.deterministic or self.rngs is None else self.rngs()
@@ -107,10 +113,10 @@ class MoE(nnx.Module):
             del options["implementation"]  # each device runs its experts as one batch
             out, routing = moe.expert_parallel_moe(tokens, self.router.kernel[...],
                                                    self.experts.weights(), mesh=mesh, rng=rng,
-                                                   **options)
+                                                   token_mask=token_mask, **options)
         else:
             out, routing = moe.moe(tokens, self.router.kernel[...], self.experts.weights(),
-                                   rng=rng, **options)
+                                   rng=rng, token_mask=token_mask, **options)
         if not self.deterministic:
             self.load_balancing_loss.set_value(routing.load_balancing_loss)
             self.router_z_loss.set_value(routing.router_z_loss)
