@@ -71,9 +71,10 @@ def save(model: nnx.Module, path: str | pathlib.Path, *, architecture: str) -> N
         raise ValueError(f"architecture must be one of {sorted(families)}, got {architecture!r}")
     family = families[architecture]
     experts = getattr(model.config, "num_experts", 0)
-    if experts and architecture != "MixtralForCausalLM":
+    if experts and not getattr(family, "HAS_EXPERTS", False):
+        with_experts = sorted(a for a, f in families.items() if getattr(f, "HAS_EXPERTS", False))
         raise ValueError(f"{architecture} cannot express num_experts={experts} (a model with "
-                         "experts saves as MixtralForCausalLM)")
+                         f"experts saves as one of {with_experts})")
     hf_config = family.config_to_hf(model.config, architecture)
     params = io.flat_params(model)
     if model.config.scan_layers:

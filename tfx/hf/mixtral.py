@@ -32,10 +32,11 @@ import numpy as np
 from tfx.hf import io, llama
 from tfx.models.config import DecoderConfig
 
-__all__ = ["ARCHITECTURES", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
+__all__ = ["ARCHITECTURES", "HAS_EXPERTS", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
            "params_from_hf", "params_to_hf"]
 
 ARCHITECTURES = ("MixtralForCausalLM",)
+HAS_EXPERTS = True  # the one family whose models may have num_experts > 0 (tfx.hf.save)
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
 
 # MixtralConfig's defaults, for config.json files that leave a field out.

@@ -93,18 +93,22 @@ def check_weights(weights: ExpertWeights, d_model: int, num_experts: int | None 
                              f"d_ff), got {tuple(getattr(weights, name).shape)}")
 
 
-def _hidden(act, gate, up):
-    """The MLP's hidden activations from its gate and up projections (gate None: plain)."""
-    return act(up) if gate is None else act(gate) * up
+def _expert_mlp(rows, weights: ExpertWeights, activation: str, matmul):
+    """down(act(gate) * up), or down(act(up)) without a gate, where each projection is
+    `matmul(inputs, stacked weight [E, in, out])`: the one place the expert MLP is written, for
+    every layout of the rows."""
+    def project(w):
+        return None if w is None else matmul(rows, w.astype(rows.dtype))
+
+    act, gate, up = ACTIVATIONS[activation], project(weights.gate), project(weights.up)
+    hidden = act(up) if gate is None else act(gate) * up
+    return matmul(hidden, weights.down.astype(rows.dtype))
 
 
 def batched_experts(xe, weights: ExpertWeights, activation: str):
     """Every expert on its own rows: [E, rows, d_model] -> [E, rows, d_model]."""
-    def project(w):
-        return None if w is None else jnp.einsum("ecd,edf->ecf", xe, w.astype(xe.dtype))
-
-    hidden = _hidden(ACTIVATIONS[activation], project(weights.gate), project(weights.up))
-    return jnp.einsum("ecf,efd->ecd", hidden, weights.down.astype(xe.dtype))
+    return _expert_mlp(xe, weights, activation,
+                       lambda a, w: jnp.einsum("eci,eio->eco", a, w))
 
 
 def combine_rows(rows, destination, routing: Routing, dtype):
@@ -126,13 +130,15 @@ def gather_rows(x, destination, kept, num_rows: int):
     return jnp.take(padded, source, axis=0)
 
 
-def _group_starts(routing: Routing, experts: int, block: int):
-    """Row where each expert's group starts when groups are padded to multiples of `block`,
-    and the padded group sizes. int32 [E] each."""
+def _sorted_rows(x, routing: Routing, experts: int, block: int, num_rows: int):
+    """The kept assignments' rows sorted by expert, each expert's group padded to a multiple
+    of `block`: (rows [num_rows, d], destination [tokens, k] of each assignment, padded group
+    sizes int32 [E])."""
     counts = jnp.zeros((experts,), jnp.int32).at[routing.expert_ids].add(
         routing.kept.astype(jnp.int32))
     sizes = (counts + block - 1) // block * block
-    return jnp.cumsum(sizes) - sizes, sizes
+    destination = (jnp.cumsum(sizes) - sizes)[routing.expert_ids] + routing.slot
+    return gather_rows(x, destination, routing.kept, num_rows), destination, sizes
 
 
 def _blocked(x, routing: Routing, weights, activation, block: int):
@@ -140,34 +146,21 @@ def _blocked(x, routing: Routing, weights, activation, block: int):
     tokens, k = routing.expert_ids.shape
     block = min(block, tokens * k)
     num_blocks = -(-(tokens * k + experts * (block - 1)) // block)  # room for any grouping
-    starts, sizes = _group_starts(routing, experts, block)
-    destination = starts[routing.expert_ids] + routing.slot
-    rows = gather_rows(x, destination, routing.kept, num_blocks * block)
+    rows, destination, sizes = _sorted_rows(x, routing, experts, block, num_blocks * block)
     ends = jnp.cumsum(sizes)
     block_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(num_blocks) * block,
                                                 side="right"), experts - 1).astype(jnp.int32)
     used = (ends[-1] // block).astype(jnp.int32)
-
-    def project(w):
-        return None if w is None else grouped_matmul(rows, w.astype(x.dtype), block_expert, used)
-
-    hidden = _hidden(ACTIVATIONS[activation], project(weights.gate), project(weights.up))
-    out = grouped_matmul(hidden, weights.down.astype(x.dtype), block_expert, used)
+    out = _expert_mlp(rows, weights, activation,
+                      lambda a, w: grouped_matmul(a, w, block_expert, used))
     return combine_rows(out, destination, routing, x.dtype)
 
 
 def _ragged(x, routing: Routing, weights, activation):
-    experts = weights.up.shape[0]
     tokens, k = routing.expert_ids.shape
-    starts, sizes = _group_starts(routing, experts, 1)
-    destination = starts[routing.expert_ids] + routing.slot
-    rows = gather_rows(x, destination, routing.kept, tokens * k)
-
-    def project(w):
-        return None if w is None else jax.lax.ragged_dot(rows, w.astype(x.dtype), sizes)
-
-    hidden = _hidden(ACTIVATIONS[activation], project(weights.gate), project(weights.up))
-    out = jax.lax.ragged_dot(hidden, weights.down.astype(x.dtype), sizes)
+    rows, destination, sizes = _sorted_rows(x, routing, weights.up.shape[0], 1, tokens * k)
+    out = _expert_mlp(rows, weights, activation,
+                      lambda a, w: jax.lax.ragged_dot(a, w, sizes))
     return combine_rows(out, destination, routing, x.dtype)
 
 
