@@ -1,6 +1,7 @@
 """The `tfx` command (also `python -m tfx`).
 
     tfx train [EXPERIMENT] --workdir DIR [--steps N] [--checkpoint-every K] [--log-every L]
+              [--init-from WORKDIR] [--peft lora --peft.rank 8 ...]
               [--model.num_layers=4 --optim.learning_rate=1e-3 ...]
     tfx sample --workdir DIR --prompt TEXT [--max-new-tokens N] [--temperature T] ...
     tfx eval --workdir DIR
@@ -22,7 +23,9 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
+    argv, fields = _field_options(sys.argv[1:] if argv is None else list(argv))
     args, rest = parser.parse_known_args(argv)
+    rest = [*rest, *fields]
     if args.command is None:
         parser.print_help()
         return 2
@@ -39,6 +42,24 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as error:  # a bad config, data path or workdir
         print(f"tfx {args.command}: error: {error}", file=sys.stderr)
         return 2
+
+
+def _field_options(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split off the experiment-field options (`--peft.rank 8`, `--peft.targets query value`,
+    `--optim.learning_rate=1e-3`) with their values, for tyro: argparse would take a value
+    given after a space for the optional EXPERIMENT positional."""
+    plain, fields, i = [], [], 0
+    while i < len(argv):
+        option = argv[i]
+        i += 1
+        if not (option.startswith("--") and "." in option.split("=")[0]):
+            plain.append(option)
+            continue
+        fields.append(option)
+        while "=" not in option and i < len(argv) and not argv[i].startswith("--"):
+            fields.append(argv[i])
+            i += 1
+    return plain, fields
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--checkpoint-every", type=int, help="train.checkpoint_every")
     train.add_argument("--log-every", type=int, help="train.log_every")
     train.add_argument("--data", help="a text file or folder instead of the embedded corpus")
+    train.add_argument("--init-from", metavar="WORKDIR", help="start from the newest "
+                       "checkpoint of this run (train.init_from): fine-tuning")
+    train.add_argument("--peft", choices=("full", "lora", "prompt", "prefix", "adapter"),
+                       help="what fine-tuning trains (peft.method; settings: --peft.rank 8 ...)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(print_train_help=train.print_help)
 
@@ -102,8 +127,10 @@ def _train(args, rest: list[str]) -> int:
     for name, value in shortcuts.items():
         if value is not None:
             rest = [*rest, f"--train.{name}={value}"]
-    if args.data is not None:
-        rest = [*rest, f"--data.source={args.data}"]
+    for flag, value in (("data.source", args.data), ("train.init_from", args.init_from),
+                        ("peft.method", args.peft)):
+        if value is not None:
+            rest = [*rest, f"--{flag}={value}"]
     experiment = tyro.cli(type(experiment), default=experiment, args=rest,
                           prog=f"tfx train {experiment.name}",
                           config=(tyro.conf.FlagConversionOff, tyro.conf.AvoidSubcommands))

@@ -305,3 +305,14 @@ def test_spec_is_a_jit_static_argument_that_does_not_retrace_for_an_equal_spec()
 def test_bad_input_raises(build, error, match):
     with pytest.raises(error, match=match):
         build()
+
+
+def test_after_prefix_shows_every_prefix_key_and_shifts_the_inner_mask():
+    # prefix tuning with 2 learned keys before 3 real ones: causal over the real keys only
+    expected = np.array([[1, 1, 1, 0, 0],
+                         [1, 1, 1, 1, 0],
+                         [1, 1, 1, 1, 1]], bool)
+    np.testing.assert_array_equal(sparse.AfterPrefix(sparse.Causal(), 2).dense(3, 5), expected)
+    window = sparse.AfterPrefix(sparse.SlidingWindow(2), 1).dense(4, 5)
+    np.testing.assert_array_equal(window[:, 1:], sparse.SlidingWindow(2).dense(4, 4))
+    assert window[:, 0].all()

@@ -84,8 +84,8 @@ def test_dropout_draws_from_the_step_key():
     _, c = step(jax.tree.map(jnp.copy, state).replace(step=state.step + 1), batch)
     assert a["loss"] != c["loss"]  # another step, another dropout draw
     eval_step = make_eval_step(graphdef, rest, causal_lm)
-    plain = eval_step(state.params, batch, jax.random.key(0))
-    other = eval_step(state.params, batch, jax.random.key(1))
+    plain = eval_step(state, batch, jax.random.key(0))
+    other = eval_step(state, batch, jax.random.key(1))
     chex.assert_trees_all_close(plain, other)  # eval: no dropout
 
 

@@ -130,7 +130,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: EncoderConfig) -> dic
     prefix = "bert." if any(name.startswith("bert.") for name in tensors) else ""
     tensors = {name.removeprefix(prefix): value for name, value in tensors.items()}
     params: dict[Path, np.ndarray] = {}
-    for group, entries in _table(config).items():
+    for group, entries in tensor_table(config).items():
         if group != "encoder" and not any(name in tensors for name, _, _ in entries):
             continue
         for name, path, transpose in entries:
@@ -140,7 +140,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: EncoderConfig) -> dic
                        "not at all")
                 raise ValueError(f"checkpoint tensor {_full(prefix, name)} is missing ({why})")
             params[path] = tensors[name].T if transpose else tensors[name]
-    used = {name for entries in _table(config).values() for name, _, _ in entries}
+    used = {name for entries in tensor_table(config).values() for name, _, _ in entries}
     _check_tied(tensors, prefix)
     unused = sorted(set(tensors) - used - set(_BUFFERS) - {"cls.predictions.decoder.weight",
                                                            "cls.predictions.decoder.bias"})
@@ -153,10 +153,10 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: EncoderConfig) -> dic
 def params_to_hf(params: dict[Path, np.ndarray], config: EncoderConfig) -> dict[str, np.ndarray]:
     """Encoder parameters -> BertModel tensor names plus the `cls.predictions.*` head."""
     return {name: params[path].T if transpose else params[path]
-            for entries in _table(config).values() for name, path, transpose in entries}
+            for entries in tensor_table(config).values() for name, path, transpose in entries}
 
 
-def _table(config: EncoderConfig) -> dict[str, list[tuple[str, Path, bool]]]:
+def tensor_table(config: EncoderConfig) -> dict[str, list[tuple[str, Path, bool]]]:
     """(HF tensor name without `bert.`, tfx path, transposed) for each group of parameters:
     "encoder" (required), "pooler" and "masked-LM" (optional heads)."""
     modules = [("embeddings.word_embeddings", ("embeddings", "tokens"), "embedding"),

@@ -29,6 +29,10 @@ class Block(nnx.Module):
 
     Pre-norm (GPT-2, LLaMA, T5): x + f(norm(x)); post-norm (BERT, original Transformer):
     norm(x + f(x)). Dropout is applied to each branch before the residual sum.
+
+    Bottleneck adapters (`tfx.peft.Adapters`) hook in as `attention_adapter`, `cross_adapter`
+    and `mlp_adapter` (None when absent): each maps its branch's output f(.) before dropout and
+    the residual sum, [batch, seq, d_model] -> same, for pre- and post-norm alike.
     """
 
     def __init__(self, config: TransformerConfig, *, cross_attention: bool = False,
@@ -65,6 +69,10 @@ class Block(nnx.Module):
                            use_bias=c.use_bias, rngs=rngs, **kinds)
         self.mlp_norm = norm()
         self.dropout = make_dropout(c.dropout, rngs=rngs)
+        # Set by tfx.peft.Adapters.attach; None adds no state.
+        self.attention_adapter = nnx.data(None)
+        self.cross_adapter = nnx.data(None)
+        self.mlp_adapter = nnx.data(None)
 
     def __call__(self, x: jax.Array, *, context: jax.Array | LayerKV | None = None,
                  context_mask: jax.Array | None = None, cache: LayerKV | None = None,
@@ -90,17 +98,22 @@ class Block(nnx.Module):
             h, cache = self.attention(h, cache=cache, **attention_args)
             return h
 
-        x = self._residual(x, self.attention_norm, attend)
+        x = self._residual(x, self.attention_norm, attend, self.attention_adapter)
         if self.cross_attention is not None:
             x = self._residual(x, self.cross_norm,
-                               lambda h: self.cross_attention(h, context, mask=context_mask))
+                               lambda h: self.cross_attention(h, context, mask=context_mask),
+                               self.cross_adapter)
         def feed_forward(h):
             return self.mlp(h, token_mask) if isinstance(self.mlp, MoE) else self.mlp(h)
 
-        x = self._residual(x, self.mlp_norm, feed_forward)
+        x = self._residual(x, self.mlp_norm, feed_forward, self.mlp_adapter)
         return x if cache is None else (x, cache)
 
-    def _residual(self, x, norm, branch):
+    def _residual(self, x, norm, branch, adapter):
+        def adapted(h):
+            out = branch(h)
+            return out if adapter is None else adapter(out)
+
         if self.pre_norm:
-            return x + self.dropout(branch(norm(x)))
-        return norm(x + self.dropout(branch(x)))
+            return x + self.dropout(adapted(norm(x)))
+        return norm(x + self.dropout(adapted(x)))

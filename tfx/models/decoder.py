@@ -10,7 +10,9 @@ from flax import nnx
 
 from tfx.models.block import dtypes
 from tfx.models.config import DecoderConfig
+from tfx.models.prompting import prompt_inputs
 from tfx.models.stack import Embeddings, Stack
+from tfx.nn.embeddings import TokenEmbedding
 from tfx.ops.kv_cache import KVCache, SegmentMemory, init_cache, init_memory
 from tfx.ops.masks import padding_mask
 
@@ -31,6 +33,8 @@ class Decoder(nnx.Module):
         self.stack = Stack(config, causal=True, rngs=rngs)
         self.head = (None if config.tie_embeddings else nnx.Linear(
             config.d_model, config.vocab_size, use_bias=False, rngs=rngs, **dtypes(config)))
+        # A soft prompt (tfx.peft.SoftPrompt.attach; see tfx.models.prompting); None adds no state.
+        self.prompt = nnx.data(None)
 
     def __call__(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None,
                  position_ids: jax.Array | None = None, segment_ids: jax.Array | None = None,
@@ -59,7 +63,8 @@ class Decoder(nnx.Module):
     def hidden_states(self, input_ids, *, attention_mask=None, position_ids=None,
                       segment_ids=None, cache: KVCache | SegmentMemory | None = None):
         """[batch, seq] -> the final-normalised hidden states [batch, seq, d_model] (and the
-        updated cache when one is given)."""
+        updated cache when one is given). A soft prompt runs before the tokens and its positions
+        are dropped (with a cache, `init_cache` has run it already)."""
         _check_ids(input_ids)
         if cache is not None:
             if position_ids is not None or segment_ids is not None:
@@ -74,35 +79,61 @@ class Decoder(nnx.Module):
                                        positions=positions, mask=mask, cache=cache.hidden,
                                        token_mask=valid)
                 return x, SegmentMemory(hidden=hidden, valid=memory_valid)
-            step, cache = cache.plan(valid)
-            x = self.embeddings(input_ids, jnp.maximum(step.query_positions, 0))
-            x, layers = self.stack(x, positions=step.query_positions, cache=cache.layers,
-                                   cache_step=step, token_mask=valid)
-            return x, dataclasses.replace(cache, layers=layers)
+            return self._cached(input_ids, valid, cache)
         positions = jnp.arange(input_ids.shape[1]) if position_ids is None else position_ids
+        vectors, skip = None, 0
+        if self.prompt is not None:
+            if segment_ids is not None:
+                raise ValueError("segment_ids (packed sequences) cannot be used with a soft "
+                                 "prompt, which sits before the whole row")
+            vectors, positions, attention_mask, _ = prompt_inputs(
+                self.prompt, self.config, input_ids, positions, attention_mask)
+            skip = self.prompt.num_tokens
         mask = None if attention_mask is None else padding_mask(attention_mask.astype(bool))
-        x = self.embeddings(input_ids, positions)
-        return self.stack(x, positions=positions, mask=mask, segment_ids=segment_ids,
-                          token_mask=attention_mask)
+        x = self.embeddings(input_ids, positions, prompt=vectors)
+        x = self.stack(x, positions=positions, mask=mask, segment_ids=segment_ids,
+                       token_mask=attention_mask)
+        return x[:, skip:]
+
+    def _cached(self, input_ids, valid, cache: KVCache, prompt: jax.Array | None = None):
+        """The KV-cache path: tokens (after the prompt vectors [batch, G, d_model], if given)
+        continue each sequence; valid covers them all."""
+        step, cache = cache.plan(valid)
+        x = self.embeddings(input_ids, jnp.maximum(step.query_positions, 0), prompt=prompt)
+        x, layers = self.stack(x, positions=step.query_positions, cache=cache.layers,
+                               cache_step=step, token_mask=valid)
+        return x, dataclasses.replace(cache, layers=layers)
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache | SegmentMemory:
         """An empty KV cache for `batch` sequences of up to `max_len` tokens in all (a ring
         buffer of the sliding window when the config has one shorter than max_len); for
         position="xl", a Transformer-XL memory of the last `max_len` tokens.
 
+        With a soft prompt, the cache has room for G more and already holds the prompt (run
+        through the layers here, once), so decoding steps continue after it.
+
         dtype: of the cache (default: the compute dtype, float32 if unset).
         """
         c = self.config
-        if c.position == "learned" and max_len > c.max_len:
-            raise ValueError(f"max_len ({max_len}) exceeds the learned position table "
-                             f"(config.max_len = {c.max_len})")
+        g = 0 if self.prompt is None else self.prompt.num_tokens
+        if c.position == "learned" and max_len + g > c.max_len:
+            raise ValueError(f"max_len ({max_len}) + soft prompt ({g} tokens) exceeds the "
+                             f"learned position table (config.max_len = {c.max_len})")
         dtype = jnp.dtype(dtype or c.dtype or jnp.float32)
         if c.position == "xl":
+            if g:
+                raise ValueError("a soft prompt is not supported with a Transformer-XL memory "
+                                 "(position='xl'), which would forget it")
             return init_memory(num_layers=c.num_layers, batch=batch, mem_len=max_len,
                                d_model=c.d_model, dtype=dtype, stacked=c.scan_layers)
-        return init_cache(num_layers=c.num_layers, batch=batch, max_len=max_len,
-                          num_kv_heads=c.kv_heads, head_dim=c.head_dim or c.d_model // c.num_heads,
-                          dtype=dtype, window=c.sliding_window, stacked=c.scan_layers)
+        cache = init_cache(num_layers=c.num_layers, batch=batch, max_len=max_len + g,
+                           num_kv_heads=c.kv_heads,
+                           head_dim=c.head_dim or c.d_model // c.num_heads,
+                           dtype=dtype, window=c.sliding_window, stacked=c.scan_layers)
+        if g:
+            _, cache = self._cached(jnp.zeros((batch, 0), jnp.int32), jnp.ones((batch, g), bool),
+                                    cache, prompt=self.prompt(batch))
+        return cache
 
     def logits(self, hidden: jax.Array, output_weights: jax.Array | None = None) -> jax.Array:
         """[batch, seq, d_model] -> float32 [batch, seq, vocab_size].
@@ -115,13 +146,16 @@ class Decoder(nnx.Module):
         out = self.embeddings.tokens.attend(hidden) if self.head is None else self.head(hidden)
         return out.astype(jnp.float32)
 
-    def output_weights(self) -> jax.Array:
+    def output_weights(self) -> jax.Array | None:
         """The output head as one [d_model, vocab_size] matrix: the head's kernel, or the
         embedding table transposed when tied. A decoding loop takes it once: on CPU, the tied
-        product with the [vocab_size, d_model] table re-lays the table out at every step."""
+        product with the [vocab_size, d_model] table re-lays the table out at every step.
+        None when the head is not a plain matrix (a PEFT-adapted head or table): the caller
+        then applies the head itself (`logits(hidden)`)."""
         if self.head is None:
-            return self.embeddings.tokens.table[...].T
-        return self.head.kernel[...]
+            tokens = self.embeddings.tokens
+            return tokens.table[...].T if type(tokens) is TokenEmbedding else None
+        return self.head.kernel[...] if type(self.head) is nnx.Linear else None
 
 
 def _check_ids(input_ids) -> None:

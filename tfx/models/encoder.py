@@ -9,6 +9,7 @@ from flax import nnx
 from tfx.models.block import dtypes
 from tfx.models.config import EncoderConfig
 from tfx.models.decoder import _check_ids
+from tfx.models.prompting import prompt_inputs
 from tfx.models.stack import Embeddings, Stack
 from tfx.nn.mlp import ACTIVATIONS
 from tfx.nn.norms import make_norm
@@ -52,6 +53,8 @@ class Encoder(nnx.Module):
         self.mlm_transform = nnx.Linear(c.d_model, c.d_model, rngs=rngs, **kinds)
         self.mlm_norm = make_norm(c.norm, c.d_model, epsilon=c.norm_eps, rngs=rngs, **kinds)
         self.mlm_bias = nnx.Param(jnp.zeros((c.vocab_size,), kinds["param_dtype"]))
+        # A soft prompt (tfx.peft.SoftPrompt.attach; see tfx.models.prompting); None adds no state.
+        self.prompt = nnx.data(None)
 
     def __call__(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None,
                  token_type_ids: jax.Array | None = None,
@@ -65,14 +68,19 @@ class Encoder(nnx.Module):
             (see `token_types_from_separators`); zeros when None, as in Hugging Face.
           position_ids: optional int [batch, seq] (default 0 .. seq - 1).
         Returns:
-          float32 [batch, seq, d_model].
+          float32 [batch, seq, d_model] (a soft prompt's positions are dropped).
         """
         _check_ids(input_ids)
         positions = jnp.arange(input_ids.shape[1]) if position_ids is None else position_ids
+        vectors, skip = None, 0
+        if self.prompt is not None:
+            vectors, positions, attention_mask, token_type_ids = prompt_inputs(
+                self.prompt, self.config, input_ids, positions, attention_mask, token_type_ids)
+            skip = self.prompt.num_tokens
         mask = None if attention_mask is None else padding_mask(attention_mask.astype(bool))
-        x = self.embeddings(input_ids, positions, token_type_ids)
-        return self.stack(x, positions=positions, mask=mask,
-                          token_mask=attention_mask).astype(jnp.float32)
+        x = self.embeddings(input_ids, positions, token_type_ids, prompt=vectors)
+        x = self.stack(x, positions=positions, mask=mask, token_mask=attention_mask)
+        return x[:, skip:].astype(jnp.float32)
 
     def pooled(self, hidden: jax.Array) -> jax.Array:
         """BERT's pooler: tanh(Linear(h[CLS])), [batch, d_model]."""

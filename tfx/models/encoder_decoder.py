@@ -11,6 +11,7 @@ from flax import nnx
 from tfx.models.block import dtypes
 from tfx.models.config import EncoderDecoderConfig
 from tfx.models.decoder import _check_ids
+from tfx.models.prompting import prepend, prompt_inputs
 from tfx.models.stack import Embeddings, Stack
 from tfx.nn.embeddings import TokenEmbedding
 from tfx.ops.kv_cache import Seq2SeqCache, init_cache
@@ -40,6 +41,9 @@ class EncoderDecoder(nnx.Module):
                              num_layers=c.decoder_layers, rngs=rngs)
         self.head = (None if c.tie_embeddings else
                      nnx.Linear(c.d_model, c.vocab_size, use_bias=False, rngs=rngs, **kinds))
+        # A soft prompt (tfx.peft.SoftPrompt.attach) goes before the encoder input, as in peft;
+        # see tfx.models.prompting. None adds no state.
+        self.prompt = nnx.data(None)
 
     def __call__(self, input_ids: jax.Array, *, decoder_input_ids: jax.Array,
                  attention_mask: jax.Array | None = None,
@@ -50,12 +54,21 @@ class EncoderDecoder(nnx.Module):
                            decoder_attention_mask=decoder_attention_mask)
 
     def encode(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None):
-        """int [batch, src_len] -> encoder output [batch, src_len, d_model]."""
+        """int [batch, src_len] -> encoder output [batch, src_len, d_model].
+
+        With a soft prompt of G vectors the output keeps them in front, [batch, G + src_len,
+        d_model], so that the decoder attends to them too (as in peft); `decode` and
+        `init_cache` still take the [batch, src_len] attention_mask of the tokens.
+        """
         _check_ids(input_ids)
         positions = jnp.arange(input_ids.shape[1])
+        vectors = None
+        if self.prompt is not None:
+            vectors, positions, attention_mask, _ = prompt_inputs(
+                self.prompt, self.config, input_ids, positions, attention_mask)
         mask = None if attention_mask is None else padding_mask(attention_mask.astype(bool))
-        return self.encoder(self.encoder_embeddings(input_ids, positions), positions=positions,
-                            mask=mask, token_mask=attention_mask)
+        return self.encoder(self.encoder_embeddings(input_ids, positions, prompt=vectors),
+                            positions=positions, mask=mask, token_mask=attention_mask)
 
     def decode(self, decoder_input_ids: jax.Array, encoded: jax.Array | None = None, *,
                attention_mask: jax.Array | None = None,
@@ -74,12 +87,11 @@ class EncoderDecoder(nnx.Module):
             if encoded is None:
                 raise ValueError("decode needs the encoder output `encoded` or a `cache`")
             positions = jnp.arange(decoder_input_ids.shape[1])
-            context_mask = (None if attention_mask is None
-                            else padding_mask(attention_mask.astype(bool)))
             hidden = self.decoder(self.decoder_embeddings(decoder_input_ids, positions),
                                   positions=positions,
                                   mask=None if mask is None else padding_mask(mask),
-                                  context=encoded, context_mask=context_mask, token_mask=mask)
+                                  context=encoded, context_mask=self._context_mask(attention_mask),
+                                  token_mask=mask)
             return self._logits(hidden)
         if encoded is not None or attention_mask is not None:
             raise ValueError("with a cache, the encoder output and its mask come from the cache: "
@@ -115,10 +127,18 @@ class EncoderDecoder(nnx.Module):
                              head_dim=c.head_dim or c.d_model // c.num_heads,
                              dtype=jnp.dtype(dtype or c.dtype or jnp.float32),
                              stacked=c.scan_layers)
-        context_mask = (None if attention_mask is None
-                        else padding_mask(attention_mask.astype(bool)))
         return Seq2SeqCache(decoder=decoder, cross=self.decoder.cross_keys_values(encoded),
-                            context_mask=context_mask)
+                            context_mask=self._context_mask(attention_mask))
+
+    def _context_mask(self, attention_mask: jax.Array | None) -> jax.Array | None:
+        """The source mask [batch, src_len] -> the cross-attention key mask over the encoder
+        output (with True for a soft prompt's G vectors in front)."""
+        if attention_mask is None:
+            return None
+        attention_mask = attention_mask.astype(bool)
+        if self.prompt is not None:
+            attention_mask = prepend(attention_mask, self.prompt.num_tokens, True)
+        return padding_mask(attention_mask)
 
     def _logits(self, hidden: jax.Array) -> jax.Array:
         if self.head is not None:

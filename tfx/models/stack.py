@@ -41,13 +41,22 @@ class Embeddings(nnx.Module):
         self.dropout = make_dropout(c.dropout, rngs=rngs)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array,
-                 token_type_ids: jax.Array | None = None) -> jax.Array:
-        """int [batch, seq] -> [batch, seq, d_model]."""
+                 token_type_ids: jax.Array | None = None, *,
+                 prompt: jax.Array | None = None) -> jax.Array:
+        """int [batch, seq] -> [batch, seq, d_model].
+
+        prompt: soft-prompt vectors [batch, G, d_model] put before the token embeddings, so that
+          they get positions, token types and the norm like tokens (`positions` and
+          `token_type_ids` then cover G + seq); the output is [batch, G + seq, d_model].
+        """
         x = self.tokens(input_ids)
+        if prompt is not None:
+            x = jnp.concatenate([prompt.astype(x.dtype), x], axis=1)
         if self.positions is not None:
             x = x + self.positions(positions)
         if self.token_types is not None:
-            types = jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+            types = (jnp.zeros(x.shape[:2], jnp.int32) if token_type_ids is None
+                     else token_type_ids)
             x = x + self.token_types(types)
         if self.norm is not None:
             x = self.norm(x)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfx.ops import dot_product_attention
-from tfx.ops.attention import IMPLEMENTATIONS, cached_attention
+from tfx.ops.attention import IMPLEMENTATIONS, cached_attention, static_spec
 from tfx.ops.kv_cache import CacheStep, LayerKV, write
 from tfx.ops.positional import (
     RopeScaling,
@@ -19,6 +19,7 @@ from tfx.ops.positional import (
     transformer_xl_position_embeddings,
     transformer_xl_position_scores,
 )
+from tfx.ops.prefix import prepend_prefix
 from tfx.ops.sparse import SparsitySpec
 
 __all__ = ["Attention", "Rope"]
@@ -61,6 +62,11 @@ class Attention(nnx.Module):
       implementation: "reference", "blocked" or None (automatic), as in the op.
       block_sizes: (block_q, block_k) for the blocked path, or None for the default.
       dtype: compute dtype (e.g. jnp.bfloat16); param_dtype: storage dtype of the weights.
+
+    Attribute `prefix` (prefix tuning, `tfx.peft.Prefix`): None, or a module whose call returns
+    learned keys and values, each [num_prefix, num_kv_heads, head_dim]. They are prepended at
+    every call after RoPE and after the KV cache is written (caches hold real tokens only);
+    every query sees them, with bias 0 (ALiBi, T5, Transformer-XL terms cover real keys only).
     """
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
@@ -102,6 +108,7 @@ class Attention(nnx.Module):
         zeros = jnp.zeros((num_heads, head_dim), param_dtype)
         self.content_bias = nnx.Param(zeros) if relative else None
         self.position_bias = nnx.Param(zeros) if relative else None
+        self.prefix = nnx.data(None)  # set by tfx.peft.Prefix.attach; None adds no state
 
     def __call__(self, x: jax.Array, context: jax.Array | LayerKV | None = None, *,
                  mask: jax.Array | None = None, bias: jax.Array | None = None,
@@ -177,6 +184,12 @@ class Attention(nnx.Module):
         if self.position_proj is not None:
             query, relative = self._relative(query, key.shape[1])
             bias = relative if bias is None else bias + relative
+        if self.prefix is not None:
+            key, value, mask, bias, sparsity = prepend_prefix(
+                self.prefix(), key, value, heads_major=cached, mask=mask, bias=bias,
+                spec=None if cached else static_spec(is_causal, sparsity),
+                query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids)
+            is_causal, query_segment_ids, key_segment_ids = False, None, None
         if cached:
             out = cached_attention(query, key, value, bias=bias, mask=mask, scale=self.scale)
         else:
@@ -209,3 +222,4 @@ class Attention(nnx.Module):
         terms = transformer_xl_position_scores(
             query, position_keys, self.position_bias[...].astype(query.dtype))
         return query + self.content_bias[...].astype(query.dtype), terms * scale
+

@@ -19,7 +19,7 @@ from tfx.ops.blocked_attention import ScoreInputs, blocked_attention
 from tfx.ops.masks import combine_masks, segment_mask
 from tfx.ops.sparse import Causal, SparsitySpec
 
-__all__ = ["IMPLEMENTATIONS", "cached_attention", "dot_product_attention"]
+__all__ = ["IMPLEMENTATIONS", "cached_attention", "dot_product_attention", "static_spec"]
 
 IMPLEMENTATIONS = ("reference", "blocked")
 # Tile sizes of the blocked kernel, and the score-matrix size from which implementation=None
@@ -93,7 +93,7 @@ def dot_product_attention(
     _, q_len, _, head_dim = query.shape
     kv_len = key.shape[1]
     implementation = _resolve_implementation(implementation, q_len, kv_len)
-    spec = _static_spec(is_causal, sparsity)
+    spec = static_spec(is_causal, sparsity)
     if scale is None:
         scale = 1.0 / float(np.sqrt(head_dim))
     if implementation == "blocked":
@@ -154,7 +154,7 @@ def _resolve_implementation(implementation: str | None, q_len: int, kv_len: int)
     return implementation
 
 
-def _static_spec(is_causal: bool, sparsity: SparsitySpec | None) -> SparsitySpec | None:
+def static_spec(is_causal: bool, sparsity: SparsitySpec | None) -> SparsitySpec | None:
     """The trace-time part of the mask as one sparse spec (None when everything is visible)."""
     if is_causal:
         return Causal() if sparsity is None else Causal() & sparsity

@@ -26,6 +26,7 @@ import numpy as np
 from tfx.ops import _checks
 
 __all__ = [
+    "AfterPrefix",
     "Causal",
     "Fixed",
     "GlobalTokens",
@@ -126,6 +127,22 @@ def _block_layout(
             layout[qb : qb + q_step, kb : kb + k_step] = tiles
     layout.flags.writeable = False  # shared by every caller through the cache
     return layout
+
+
+@dataclasses.dataclass(frozen=True)
+class AfterPrefix(SparsitySpec):
+    """`inner` over the keys that follow `num_prefix` prefix keys (prefix tuning's learned
+    keys), which every query sees: a causal mask with a prefix is AfterPrefix(Causal(), G), not
+    a top-left aligned causal mask over all keys. Static, so blocked kernels still skip the
+    tiles that `inner` leaves empty."""
+
+    inner: SparsitySpec
+    num_prefix: int
+
+    def allows(self, q_pos, k_pos, kv_len):
+        shifted = np.maximum(k_pos - self.num_prefix, 0)  # prefix columns are answered below
+        inner = self.inner.allows(q_pos, shifted, kv_len - self.num_prefix)
+        return (k_pos < self.num_prefix) | inner
 
 
 @dataclasses.dataclass(frozen=True)

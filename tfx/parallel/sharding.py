@@ -22,16 +22,19 @@ BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def state_specs(state, mesh, rules: Mapping = DEFAULT_RULES):
-    """A tree like `state` (a TrainState or any pytree with a `.params` field; arrays or
-    ShapeDtypeStructs) of PartitionSpecs: params by `param_specs`, leaves mirroring a
+    """A tree like `state` (a TrainState or any pytree with a `.params` field, and optionally
+    `.frozen` ones; arrays or ShapeDtypeStructs) of PartitionSpecs: params (and frozen
+    weights) by `param_specs`, leaves mirroring a
     parameter (same path suffix and shape) like it, the rest replicated. `mesh`: a Mesh or
     AbstractMesh."""
-    params = state.params
-    by_path = {
-        tuple(path): (tuple(leaf.shape), spec)
-        for (path, leaf), spec in zip(jax.tree.leaves_with_path(params),
-                                      jax.tree.leaves(param_specs(params, mesh, rules)),
-                                      strict=True)}
+    by_path = {}
+    for params in (state.params, getattr(state, "frozen", None)):  # frozen: PEFT fine-tuning
+        if params is not None:
+            by_path.update({
+                tuple(path): (tuple(leaf.shape), spec)
+                for (path, leaf), spec in zip(jax.tree.leaves_with_path(params),
+                                              jax.tree.leaves(param_specs(params, mesh, rules)),
+                                              strict=True)})
 
     def follow(path, leaf):
         for start in range(len(path)):

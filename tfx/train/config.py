@@ -9,7 +9,7 @@ from typing import Literal
 
 from tfx.models.config import DecoderConfig, EncoderConfig, EncoderDecoderConfig
 
-__all__ = ["DataConfig", "Experiment", "MeshConfig", "OptimConfig", "TrainConfig",
+__all__ = ["DataConfig", "Experiment", "MeshConfig", "OptimConfig", "PeftConfig", "TrainConfig",
            "experiment_from_dict", "run_identity"]
 
 OBJECTIVES = {"causal_lm": DecoderConfig, "mlm": EncoderConfig, "seq2seq": EncoderDecoderConfig}
@@ -68,6 +68,7 @@ class TrainConfig:
     eval_batches: int = 8
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
+    init_from: str | None = None  # a workdir whose newest checkpoint gives the starting weights
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every",
@@ -117,6 +118,47 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class PeftConfig:
+    """What fine-tuning trains: "full" every weight; "lora", "prompt", "prefix" or "adapter"
+    only the parameters that method of `tfx.peft` adds, with the model frozen (start it from a
+    trained run with `train.init_from`). The other fields are the methods' settings
+    (`settings()` builds the method object, which validates them)."""
+
+    method: Literal["full", "lora", "prompt", "prefix", "adapter"] = "full"
+    rank: int = 8  # lora
+    alpha: float = 16.0  # lora
+    targets: tuple[str, ...] = ("query", "value")  # lora: module names
+    init_style: Literal["peft", "seed", "seed_normal"] = "peft"  # lora
+    rslora: bool = False  # lora
+    num_tokens: int = 16  # prompt, prefix: learned positions
+    prompt_init: Literal["random", "vocab"] = "vocab"  # prompt
+    prefix_projection: int = 0  # prefix: width of the reparameterisation MLP (0: none)
+    adapter_size: int = 16  # adapter: bottleneck width
+    adapter_placement: Literal["houlsby", "pfeiffer"] = "houlsby"  # adapter
+
+    def __post_init__(self):
+        self.settings()
+
+    def settings(self):
+        """The `tfx.peft` method object (None for "full")."""
+        from tfx import peft
+
+        if self.method == "full":
+            return None
+        if self.method == "lora":
+            return peft.LoRA(rank=self.rank, alpha=self.alpha, targets=tuple(self.targets),
+                             init_style=self.init_style, rslora=self.rslora)
+        if self.method == "prompt":
+            return peft.SoftPrompt(num_tokens=self.num_tokens, init=self.prompt_init)
+        if self.method == "prefix":
+            return peft.Prefix(num_tokens=self.num_tokens, projection=self.prefix_projection)
+        if self.method == "adapter":
+            return peft.Adapters(size=self.adapter_size, placement=self.adapter_placement)
+        raise ValueError(f"peft.method must be one of full, lora, prompt, prefix, adapter, got "
+                         f"{self.method!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Experiment:
     """A named, complete training run. `objective` picks the loss and the model family:
     causal_lm -> DecoderConfig, mlm -> EncoderConfig, seq2seq -> EncoderDecoderConfig."""
@@ -128,6 +170,7 @@ class Experiment:
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
     mesh: MeshConfig = MeshConfig()
+    peft: PeftConfig = PeftConfig()
     label_smoothing: float = 0.0  # seq2seq
     mlm_probability: float = 0.15  # mlm
 
@@ -177,8 +220,8 @@ def _types() -> dict[str, type]:
     from tfx.models.config import EncoderConfig, EncoderDecoderConfig
     from tfx.ops.positional import RopeScaling
 
-    known = (Experiment, TrainConfig, OptimConfig, DataConfig, MeshConfig, DecoderConfig,
-             EncoderConfig, EncoderDecoderConfig, *RopeScaling.__subclasses__())
+    known = (Experiment, TrainConfig, OptimConfig, DataConfig, MeshConfig, PeftConfig,
+             DecoderConfig, EncoderConfig, EncoderDecoderConfig, *RopeScaling.__subclasses__())
     return {cls.__name__: cls for cls in known}
 
 

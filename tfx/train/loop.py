@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from tfx import parallel
 from tfx.models.presets import create
+from tfx.peft import PeftParam
 from tfx.train.checkpoint import Checkpoints
 from tfx.train.config import Experiment, run_identity
 from tfx.train.feed import Feed
@@ -30,6 +31,7 @@ from tfx.train.flops import matmul_peak_flops, parameter_count, training_flops_p
 from tfx.train.metrics import MetricsWriter, plot_losses, read_metrics
 from tfx.train.objectives import OBJECTIVE_FUNCTIONS
 from tfx.train.optim import make_optimizer
+from tfx.train.pretrained import pretrained_params
 from tfx.train.step import (
     TrainState,
     finish_eval,
@@ -65,9 +67,15 @@ class Trainer:
                                        keep=experiment.train.keep_checkpoints)
         t = experiment.train
         model = create(experiment.model, rngs=nnx.Rngs(t.seed))
+        if t.init_from is not None:
+            nnx.update(model, pretrained_params(t.init_from, experiment.model))
+        method = experiment.peft.settings()
+        if method is not None:  # fine-tune only what the method adds
+            method.attach(model, rngs=nnx.Rngs(t.seed + 1))
         self.optimizer = make_optimizer(experiment.optim, t.steps)
-        self.graphdef, self.rest, self.state = init_train_state(model, self.optimizer,
-                                                                seed=t.seed)
+        self.graphdef, self.rest, self.state = init_train_state(
+            model, self.optimizer, seed=t.seed,
+            trainable=nnx.Param if method is None else PeftParam)
         self.state_sharding = self.batch_sharding = mesh = None
         if sharded and jax.device_count() > 1:  # one device: plain jit, no mesh
             mesh = parallel.mesh_from_config(experiment.mesh)
@@ -96,19 +104,19 @@ class Trainer:
         if restored is None:
             return 0
         step, values = restored
-        self.state = TrainState(**values)
+        self.state = TrainState(**values, frozen=self.state.frozen)
         return step
 
     def model(self) -> nnx.Module:
         """The model with the current parameters, in eval mode."""
-        model = nnx.merge(self.graphdef, self.state.params, self.rest)
+        model = nnx.merge(self.graphdef, self.state.params, self.state.frozen, self.rest)
         model.eval()
         return model
 
     def evaluate(self) -> dict:
         """Validation metrics over the fixed validation batches."""
         rng = jax.random.key(self.experiment.train.seed + 1)
-        results = [self.eval_step(self.state.params, self._device(batch),
+        results = [self.eval_step(self.state, self._device(batch),
                                   jax.random.fold_in(rng, i))
                    for i, batch in enumerate(self.feed.validation())]
         return finish_eval(results)
@@ -139,7 +147,8 @@ def _run(trainer: Trainer, *, progress: bool) -> TrainResult:
     lead = jax.process_index() == 0  # the process that logs
     writer = MetricsWriter(trainer.workdir, resume_step=start, enabled=lead)
     flops_per_step = trainer.feed.tokens_per_batch * training_flops_per_token(
-        e.model, parameter_count(trainer.state.params, config=e.model), t.seq_len)
+        e.model, parameter_count(trainer.state.params, config=e.model)
+        + parameter_count(trainer.state.frozen, config=e.model), t.seq_len)
     peak = matmul_peak_flops()
     validation, step = {}, start
     bar = tqdm(total=t.steps, initial=start, desc=e.name, disable=not (progress and lead),

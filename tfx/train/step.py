@@ -24,39 +24,48 @@ __all__ = ["MOE_METRICS", "TrainState", "finish_eval", "init_train_state", "make
 
 @struct.dataclass
 class TrainState:
-    """step: int32 []; params: the model's nnx.Param state (float32 master weights);
-    opt_state: the optimiser's state; rng: uint32 key data [2] of the run's base key."""
+    """step: int32 []; params: the trained parameters (float32 master weights): all of the
+    model's nnx.Param state, or only the PEFT parameters when fine-tuning with `tfx.peft`;
+    frozen: the parameters not trained (empty unless fine-tuning with PEFT); opt_state: the
+    optimiser's state, of `params` only; rng: uint32 key data [2] of the run's base key."""
 
     step: jax.Array
     params: nnx.State
+    frozen: nnx.State
     opt_state: optax.OptState
     rng: jax.Array
 
     def to_dict(self) -> dict:
-        """The checkpointed form."""
+        """The checkpointed form. The frozen weights are left out: they are the run's
+        starting point (train.init_from, or the seed's initialisation), rebuilt on resume."""
         return {"step": self.step, "params": self.params, "opt_state": self.opt_state,
                 "rng": self.rng}
 
 
 def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation, *,
-                     seed: int) -> tuple[nnx.GraphDef, nnx.State, TrainState]:
+                     seed: int, trainable: nnx.filterlib.Filter = nnx.Param,
+                     ) -> tuple[nnx.GraphDef, nnx.State, TrainState]:
     """Split `model` into (graphdef, non-parameter state, TrainState at step 0).
 
-    The state holds copies of the model's parameters: the train step donates its state, and
-    the model itself stays usable.
+    trainable: which parameters the optimiser updates (`tfx.peft.PeftParam` to fine-tune only
+    what a PEFT method added); the other nnx.Params go to `TrainState.frozen` and get neither
+    gradients nor optimiser state. The state holds copies of the model's parameters: the train
+    step donates its state, and the model itself stays usable.
     """
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params = jax.tree.map(jnp.copy, params)
+    graphdef, params, frozen, rest = nnx.split(model, trainable, nnx.Param, ...)
+    params, frozen = jax.tree.map(jnp.copy, (params, frozen))
     rng = jax.random.key_data(jax.random.key(seed))
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, frozen=frozen,
                        opt_state=optimizer.init(params), rng=rng)
     return graphdef, rest, state
 
 
-def _merge(graphdef, params, rest, rng, *, train: bool):
-    # Fresh Variables for the non-parameter state (dropout's RNG counters) in the current
-    # trace: NNX refuses to mutate a Variable created in an outer trace.
-    model = nnx.merge(graphdef, params, jax.tree.map(lambda x: x, rest))
+def _merge(graphdef, params, frozen, rest, rng, *, train: bool):
+    # Fresh Variables for the frozen weights and the non-parameter state (dropout's RNG
+    # counters) in the current trace: NNX refuses to use a Variable of an outer trace (the
+    # jitted step's) inside the gradient's trace, where nnx.scan over layers meets it.
+    frozen, rest = jax.tree.map(lambda x: x, (frozen, rest))
+    model = nnx.merge(graphdef, params, frozen, rest)
     if train:  # dropout and router noise draw from their own streams or the default one
         key = jax.random.fold_in(rng, 1)
         nnx.reseed(model, default=key, dropout=key, router=key)
@@ -82,9 +91,9 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
     """
     kwargs = objective_kwargs or {}
 
-    def sums_and_grads(params, batch, rng):
+    def sums_and_grads(params, frozen, batch, rng):
         def loss_sum(p):
-            model = _merge(graphdef, p, rest, rng, train=True)
+            model = _merge(graphdef, p, frozen, rest, rng, train=True)
             total, count, metrics = objective(model, batch, jax.random.fold_in(rng, 0), **kwargs)
             total, metrics = add_moe_losses(model, total, count, metrics)
             return total, (count, metrics, expert_loads(model))
@@ -96,7 +105,8 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
     def train_step(state: TrainState, batch: dict):
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         if grad_accum == 1:
-            grads, total, count, sums, loads = sums_and_grads(state.params, batch, rng)
+            grads, total, count, sums, loads = sums_and_grads(state.params, state.frozen, batch,
+                                                              rng)
         else:
             # Micro-batch i takes rows i, i + grad_accum, ...: strided, so that each micro-batch
             # stays spread over every device of a sharded batch axis.
@@ -105,11 +115,13 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
 
             def accumulate(carry, xs):
                 index, micro_batch = xs
-                out = sums_and_grads(state.params, micro_batch, jax.random.fold_in(rng, index))
+                out = sums_and_grads(state.params, state.frozen, micro_batch,
+                                     jax.random.fold_in(rng, index))
                 return jax.tree.map(jnp.add, carry, out), None
 
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
-                sums_and_grads, state.params, jax.tree.map(lambda x: x[0], micro), rng))
+                sums_and_grads, state.params, state.frozen, jax.tree.map(lambda x: x[0], micro),
+                rng))
             (grads, total, count, sums, loads), _ = jax.lax.scan(
                 accumulate, zeros, (jnp.arange(grad_accum), micro))
         count = jnp.maximum(count, 1.0)
@@ -117,7 +129,7 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         if loads:
-            config = _merge(graphdef, state.params, rest, rng, train=False).config
+            config = _merge(graphdef, state.params, state.frozen, rest, rng, train=False).config
             params = balance_experts(state.params, params, loads, config.router_bias_rate)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         metrics = {"loss": total / count, "grad_norm": optax.tree.norm(grads),
@@ -164,15 +176,15 @@ def compiler_options(*, has_experts: bool) -> dict | None:
 def make_eval_step(graphdef: nnx.GraphDef, rest: nnx.State, objective: Callable, *,
                    objective_kwargs: dict | None = None,
                    mesh: jax.sharding.Mesh | None = None) -> Callable:
-    """Compile `(params, batch, rng) -> (loss_sum, count, metric_sums)` in eval mode (no
-    dropout); sum these over batches and divide (see `finish_eval`). mesh: as in
-    `make_train_step`."""
+    """Compile `(state, batch, rng) -> (loss_sum, count, metric_sums)` in eval mode (no
+    dropout), for a TrainState (its params and frozen weights); sum these over batches and
+    divide (see `finish_eval`). mesh: as in `make_train_step`."""
     kwargs = objective_kwargs or {}
 
     @jax.jit
     @_under(mesh)
-    def eval_step(params, batch, rng):
-        model = _merge(graphdef, params, rest, rng, train=False)
+    def eval_step(state: TrainState, batch, rng):
+        model = _merge(graphdef, state.params, state.frozen, rest, rng, train=False)
         return objective(model, batch, rng, **kwargs)
 
     return eval_step

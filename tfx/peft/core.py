@@ -1,0 +1,58 @@
+"""What every PEFT method shares: the variable type of the parameters it adds, and finding the
+modules it adapts."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+
+from flax import nnx
+
+__all__ = ["PeftParam", "find_modules", "module_path", "path_matcher", "set_module"]
+
+
+class PeftParam(nnx.Param):
+    """A parameter added by a PEFT method (LoRA factors, prompts, prefixes, adapters).
+
+    A subclass of `nnx.Param`, so code that handles parameters (optimisers, shardings,
+    checkpoints) handles these too; `nnx.split(model, PeftParam, ...)` separates them from the
+    frozen model weights.
+    """
+
+
+def module_path(path: tuple) -> str:
+    """A graph path -> "stack/layers/0/attention/query"."""
+    return "/".join(str(part) for part in path)
+
+
+def find_modules(model: nnx.Module, kind: type | tuple[type, ...],
+                 keep: Callable[[str, nnx.Module], bool] = lambda name, module: True,
+                 ) -> list[tuple[tuple, nnx.Module]]:
+    """(path, module) of every sub-module of `model` that is an instance of `kind` and passes
+    `keep(path_string, module)`, in graph order."""
+    return [(path, node) for path, node in nnx.iter_graph(model)
+            if isinstance(node, kind) and path and keep(module_path(path), node)]
+
+
+def path_matcher(targets: str | Iterable[str]) -> Callable[[str], bool]:
+    """peft's `target_modules` semantics on "a/b/c" module paths: a string is a regex that must
+    match the whole path; a list of names matches paths whose last part is one of them (or that
+    end with "/<name>" for names holding a "/")."""
+    if isinstance(targets, str):
+        pattern = re.compile(targets)
+        return lambda path: pattern.fullmatch(path) is not None
+    names = tuple(targets)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"targets must be a regex or a non-empty list of names, got {targets!r}")
+    return lambda path: any(path == n or path.endswith("/" + n) for n in names)
+
+
+def set_module(model: nnx.Module, path: tuple, module: nnx.Module) -> None:
+    """Put `module` at `path` inside `model` (an attribute or a list item)."""
+    parent = model
+    for part in path[:-1]:
+        parent = parent[part] if isinstance(part, int) else getattr(parent, part)
+    if isinstance(path[-1], int):
+        parent[path[-1]] = module
+    else:
+        setattr(parent, path[-1], module)

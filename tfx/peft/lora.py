@@ -1,0 +1,251 @@
+"""LoRA (Hu et al. 2021): W + scale·a·b on chosen weights, as transforms of a model's state.
+
+The factors are their own pytree, `LoRAWeights` ({module path: Factors(a, b)} and the scale):
+
+    weights = lora.init(rng, nnx.state(model, nnx.Param), rank=8, alpha=16,
+                        targets=("query", "value"))
+    lora.attach(model, weights)        # forward: x·W + scale·(x·a)·b, a·b never formed
+    ...train nnx.split(model, PeftParam, ...)...
+    weights = lora.detach(model)       # the plain model back, and the trained factors
+    merged = lora.merge(nnx.state(model, nnx.Param), weights)     # W + scale·a·b, for serving
+    lora.unmerge(merged, weights)      # W again (within float rounding)
+
+`LoRA(rank=..., ...).attach(model, rngs=...)` does init + attach in one call, as every method
+in `tfx.peft` does. Targets are `nnx.Linear` layers (attention and MLP projections, heads) and
+token embeddings, named as peft's `target_modules` are (see `tfx.peft.core.path_matcher`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from tfx.nn.embeddings import TokenEmbedding
+from tfx.parallel.rules import path_name
+from tfx.peft.core import find_modules, module_path, path_matcher, set_module
+from tfx.peft.lora_modules import LoRAEmbedding, LoRALinear
+
+__all__ = ["Factors", "LoRA", "LoRAWeights", "attach", "detach", "init", "merge", "unmerge",
+           "weights_of"]
+
+INIT_STYLES = ("peft", "seed", "seed_normal")
+_WEIGHT_NAMES = {"kernel": nnx.Linear, "table": TokenEmbedding}
+
+
+@struct.dataclass
+class Factors:
+    """One adapted weight's factors: a [..., d_in, rank], b [..., rank, d_out] (an embedding's
+    d_in is its vocabulary); leading axes as the weight's (stacked layers)."""
+
+    a: jax.Array
+    b: jax.Array
+
+
+@struct.dataclass
+class LoRAWeights:
+    """factors: {module path ("stack/layers/0/attention/query"): Factors}; scale: static."""
+
+    factors: dict[str, Factors]
+    scale: float = struct.field(pytree_node=False)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoRA:
+    """LoRA settings.
+
+    rank: r, 1 <= r <= min(d_in, d_out) of every target. alpha: scale = alpha / r, or
+    alpha / sqrt(r) with `rslora` (Kalajdzievski 2023). targets: a regex over module paths or a
+    list of module names (peft's target_modules); default the attention's query and value.
+    init_style: "peft" (a Kaiming-uniform ±1/sqrt(d_in), b zero; embeddings: a zero, b
+    N(0, 1)), "seed" (b zero, a uniform ±init_scale/sqrt(r)) or "seed_normal" (b zero, a
+    N(0, init_scale)). dropout: on the low-rank path's input.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: str | tuple[str, ...] = ("query", "value")
+    init_style: Literal["peft", "seed", "seed_normal"] = "peft"
+    init_scale: float = 0.05
+    rslora: bool = False
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        _check_settings(self.rank, self.alpha, self.init_style, self.init_scale)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        path_matcher(self.targets)  # validates the form
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    def attach(self, model: nnx.Module, *, rngs: nnx.Rngs) -> nnx.Module:
+        """Add freshly initialised factors to `model`'s targets, in place; returns the model."""
+        weights = init(rngs.params(), nnx.state(model, nnx.Param), rank=self.rank,
+                       alpha=self.alpha, targets=self.targets, init_style=self.init_style,
+                       init_scale=self.init_scale, rslora=self.rslora)
+        return attach(model, weights, dropout=self.dropout, rngs=rngs)
+
+
+def init(rng: jax.Array, state: nnx.State, *, rank: int, alpha: float,
+         targets: str | tuple[str, ...], init_style: str = "peft", init_scale: float = 0.05,
+         rslora: bool = False) -> LoRAWeights:
+    """Factors for every weight of `state` (a model's `nnx.Param` state) whose module path
+    matches `targets`: `kernel` [..., d_in, d_out] of linear layers and `table` [vocab, d] of
+    embeddings. ΔW = scale·a·b is zero at init in every style.
+
+    Raises ValueError for targets that match nothing (listing what can be adapted) and for a
+    rank outside [1, min(d_in, d_out)] of a target.
+    """
+    _check_settings(rank, alpha, init_style, init_scale)
+    matches = path_matcher(targets)
+    weights = _adaptable(state)
+    chosen = {path: w for path, w in weights.items() if matches(path)}
+    if not chosen:
+        raise ValueError(f"LoRA targets {targets!r} match no module; adaptable modules: "
+                         f"{sorted(weights)}")
+    factors = {}
+    for index, (path, (kind, weight)) in enumerate(sorted(chosen.items())):
+        *lead, d_in, d_out = weight.shape
+        if not 1 <= rank <= min(d_in, d_out):
+            raise ValueError(f"rank must be in [1, min(d_in, d_out)] = [1, {min(d_in, d_out)}] "
+                             f"for {path} ({d_in} -> {d_out}), got {rank}")
+        key = jax.random.fold_in(rng, index)
+        a_shape, b_shape = (*lead, d_in, rank), (*lead, rank, d_out)
+        if kind == "table" and init_style == "peft":  # peft zeroes the embedding's A instead
+            a = jnp.zeros(a_shape, jnp.float32)
+            b = jax.random.normal(key, b_shape, jnp.float32)
+        else:
+            b = jnp.zeros(b_shape, jnp.float32)
+            if init_style == "peft":
+                bound = 1.0 / math.sqrt(d_in)
+                a = jax.random.uniform(key, a_shape, jnp.float32, -bound, bound)
+            elif init_style == "seed":
+                bound = init_scale / math.sqrt(rank)
+                a = jax.random.uniform(key, a_shape, jnp.float32, -bound, bound)
+            else:
+                a = init_scale * jax.random.normal(key, a_shape, jnp.float32)
+        factors[path] = Factors(a.astype(weight.dtype), b.astype(weight.dtype))
+    return LoRAWeights(factors, alpha / (math.sqrt(rank) if rslora else rank))
+
+
+def attach(model: nnx.Module, weights: LoRAWeights, *, dropout: float = 0.0,
+           rngs: nnx.Rngs | None = None) -> nnx.Module:
+    """Replace each targeted layer of `model` by its LoRA form holding `weights`' factors as
+    `PeftParam`s (in place; the frozen weights keep their paths). Returns the model."""
+    modules = dict((module_path(p), (p, m)) for p, m in
+                   find_modules(model, (nnx.Linear, TokenEmbedding)))
+    for path, factors in weights.factors.items():
+        if path not in modules:
+            raise ValueError(f"LoRA factors for {path!r}, which is not a linear layer or "
+                             f"embedding of this model; it has {sorted(modules)}")
+        graph_path, module = modules[path]
+        if isinstance(module, LoRALinear | LoRAEmbedding):
+            raise ValueError(f"{path} already has LoRA factors; detach them first")
+        base = module.kernel if isinstance(module, nnx.Linear) else module.table
+        for name, factor, want in (("a", factors.a, (*base.shape[:-1], factors.a.shape[-1])),
+                                   ("b", factors.b, (*base.shape[:-2], factors.b.shape[-2],
+                                                     base.shape[-1]))):
+            if factor.shape != want:
+                raise ValueError(f"factor {name} of {path} has shape {factor.shape}; the "
+                                 f"weight {base.shape} needs {want}")
+        if isinstance(module, nnx.Linear):
+            if dropout and base.ndim > 2:
+                raise ValueError("LoRA dropout needs unstacked layers (scan_layers=False)")
+            new = LoRALinear(module, factors.a, factors.b, scale=weights.scale,
+                             dropout=dropout, rngs=rngs)
+        else:
+            new = LoRAEmbedding(module, factors.a, factors.b, scale=weights.scale)
+        set_module(model, graph_path, new)
+    return model
+
+
+def weights_of(model: nnx.Module) -> LoRAWeights:
+    """The factors a model carries (after `attach` and training)."""
+    adapted = find_modules(model, (LoRALinear, LoRAEmbedding))
+    if not adapted:
+        raise ValueError("the model has no LoRA factors (call attach first)")
+    scales = {m.scale for _, m in adapted}
+    if len(scales) > 1:
+        raise ValueError(f"the model's LoRA layers have different scales {sorted(scales)}")
+    return LoRAWeights({module_path(p): Factors(m.lora_a[...], m.lora_b[...])
+                        for p, m in adapted}, scales.pop())
+
+
+def detach(model: nnx.Module) -> LoRAWeights:
+    """Put the plain layers back (in place) and return the factors they carried."""
+    weights = weights_of(model)
+    for path, module in find_modules(model, (LoRALinear, LoRAEmbedding)):
+        set_module(model, path, _plain(module))
+    return weights
+
+
+def merge(state: nnx.State, weights: LoRAWeights) -> nnx.State:
+    """W + scale·a·b at every adapted weight of `state` (a plain model's Param state)."""
+    return _shifted(state, weights, 1.0)
+
+
+def unmerge(state: nnx.State, weights: LoRAWeights) -> nnx.State:
+    """W - scale·a·b: undoes `merge` (exactly up to float rounding, about 1 ulp of W)."""
+    return _shifted(state, weights, -1.0)
+
+
+def _shifted(state, weights: LoRAWeights, sign: float):
+    found = set()
+
+    def shift(path, value):
+        module, _, leaf = path_name(path).rpartition("/")
+        if leaf not in _WEIGHT_NAMES or module not in weights.factors:
+            return value
+        found.add(module)
+        f = weights.factors[module]
+        delta = jnp.matmul(f.a.astype(jnp.float32), f.b.astype(jnp.float32))
+        return (value.astype(jnp.float32) + sign * weights.scale * delta).astype(value.dtype)
+
+    out = jax.tree.map_with_path(shift, state)
+    missing = sorted(set(weights.factors) - found)
+    if missing:
+        raise ValueError(f"the state has no weight for LoRA factors of {missing}")
+    return out
+
+
+def _adaptable(state: nnx.State) -> dict[str, tuple[str, jax.Array]]:
+    """{module path: (weight name, weight)} of every linear kernel and embedding table."""
+    out = {}
+    for path, value in jax.tree.leaves_with_path(state):
+        module, _, leaf = path_name(path).rpartition("/")
+        if leaf in _WEIGHT_NAMES and value.ndim >= 2:
+            out[module] = (leaf, value)
+    return out
+
+
+def _plain(module: LoRALinear | LoRAEmbedding) -> nnx.Linear | TokenEmbedding:
+    """The layer `module` adapted: its settings, its weight Variables, no factors."""
+    if isinstance(module, LoRALinear):
+        plain = nnx.eval_shape(lambda: nnx.Linear(
+            module.in_features, module.out_features, use_bias=module.use_bias,
+            dtype=module.dtype, param_dtype=module.param_dtype, precision=module.precision,
+            dot_general=module.dot_general, preferred_element_type=module.preferred_element_type,
+            rngs=nnx.Rngs(0)))
+        plain.kernel, plain.bias = module.kernel, module.bias
+    else:
+        plain = nnx.eval_shape(lambda: TokenEmbedding(
+            module.vocab_size, 1, one_hot=module.one_hot, dtype=module.dtype, rngs=nnx.Rngs(0)))
+        plain.table = module.table
+    return plain
+
+
+def _check_settings(rank, alpha, init_style, init_scale) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank must be an int >= 1, got {rank!r}")
+    if not alpha > 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    if init_style not in INIT_STYLES:
+        raise ValueError(f"init_style must be one of {INIT_STYLES}, got {init_style!r}")
+    if not init_scale > 0:
+        raise ValueError(f"init_scale must be > 0, got {init_scale}")

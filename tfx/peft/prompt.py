@@ -1,0 +1,115 @@
+"""Prompt tuning (Lester et al. 2021; peft's PROMPT_TUNING): G learned vectors in front of the
+input embeddings, every model weight frozen.
+
+    model = SoftPrompt(num_tokens=20, init="vocab").attach(model, rngs=nnx.Rngs(0))
+
+How the model runs them (positions, masks, the KV cache, encoder–decoders) is
+`tfx.models.prompting`; this file makes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tfx.models.decoder import Decoder
+from tfx.models.encoder import Encoder
+from tfx.models.encoder_decoder import EncoderDecoder
+from tfx.peft.core import PeftParam
+
+__all__ = ["INITS", "Prompt", "SoftPrompt"]
+
+# "random": normal(init_std); "vocab": the embeddings of G token ids drawn uniformly from the
+# vocabulary; "text": the embeddings of `text_ids` repeated / cut to G tokens.
+INITS = ("random", "vocab", "text")
+
+
+class Prompt(nnx.Module):
+    """A model's soft prompt: `vectors`, a PeftParam [G, d_model]."""
+
+    def __init__(self, vectors: jax.Array):
+        self.vectors = PeftParam(vectors)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.vectors.shape[0]
+
+    def __call__(self, batch: int) -> jax.Array:
+        """The vectors for every sequence: [batch, G, d_model]."""
+        return jnp.broadcast_to(self.vectors[...], (batch, *self.vectors.shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftPrompt:
+    """Settings of prompt tuning.
+
+    Args:
+      num_tokens: G, the number of prompt vectors.
+      init: one of INITS.
+      text_ids: with init="text", the token ids of the text (from the model's tokenizer) whose
+        embeddings start the prompt, repeated or cut to G; None otherwise.
+      init_std: standard deviation of init="random".
+    """
+
+    num_tokens: int
+    init: str = "random"
+    text_ids: tuple[int, ...] | None = None
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int):
+            raise TypeError(f"num_tokens must be an int, got {type(self.num_tokens).__name__}")
+        if self.num_tokens <= 0:
+            raise ValueError(f"num_tokens must be >= 1, got {self.num_tokens}")
+        if self.init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
+        if (self.init == "text") != (self.text_ids is not None):
+            raise ValueError(f"text_ids must be given with init='text' and only then, got "
+                             f"init={self.init!r}, text_ids={self.text_ids!r}")
+        if self.text_ids is not None and (
+                not isinstance(self.text_ids, tuple) or not self.text_ids
+                or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                           for i in self.text_ids)):
+            raise ValueError(f"text_ids must be a non-empty tuple of token ids (ints >= 0), got "
+                             f"{self.text_ids!r}")
+        if not self.init_std > 0:
+            raise ValueError(f"init_std must be > 0, got {self.init_std}")
+
+    def attach(self, model: Decoder | Encoder | EncoderDecoder, *,
+               rngs: nnx.Rngs) -> Decoder | Encoder | EncoderDecoder:
+        """Give `model` (in place) a soft prompt of `num_tokens` PeftParam vectors; returns it.
+
+        The model then runs [prompt; tokens] and drops the prompt positions from its output
+        (an encoder–decoder keeps them in the encoder output for the decoder to attend to).
+        """
+        if not isinstance(model, Decoder | Encoder | EncoderDecoder):
+            raise TypeError(f"model must be a tfx Decoder, Encoder or EncoderDecoder, got "
+                            f"{type(model).__name__}")
+        if model.prompt is not None:
+            raise ValueError("model already has a soft prompt")
+        config, g = model.config, self.num_tokens
+        if config.position == "learned" and g >= config.max_len:
+            raise ValueError(f"num_tokens ({g}) leaves no room for tokens in the learned "
+                             f"position table (max_len = {config.max_len})")
+        embeddings = (model.encoder_embeddings if isinstance(model, EncoderDecoder)
+                      else model.embeddings)
+        table = embeddings.tokens.table[...]  # [vocab_size, d_model]
+        vocab_size = table.shape[0]
+        if self.init == "random":
+            vectors = self.init_std * jax.random.normal(rngs.params(), (g, table.shape[1]),
+                                                        table.dtype)
+        else:
+            if self.init == "vocab":
+                ids = jax.random.randint(rngs.params(), (g,), 0, vocab_size)
+            else:
+                if max(self.text_ids) >= vocab_size:
+                    raise ValueError(f"text_ids must be < vocab_size ({vocab_size}), got "
+                                     f"{max(self.text_ids)}")
+                ids = jnp.asarray(np.resize(np.asarray(self.text_ids), g))  # repeat, then cut
+            vectors = jnp.take(table, ids, axis=0)
+        model.prompt = Prompt(vectors)
+        return model
