@@ -15,7 +15,7 @@ from train_cases import tiny, write_corpus
 
 from tfx.cli import main
 from tfx.peft import PeftParam
-from tfx.train.config import PeftConfig, TrainConfig, experiment_from_dict
+from tfx.train.config import PeftConfig, TrainConfig, experiment_from_dict, run_identity
 from tfx.train.loop import Trainer, train
 from tfx.train.pretrained import pretrained_params
 
@@ -80,6 +80,12 @@ def test_cli_fine_tunes_with_space_separated_settings(base, capsys):
         (folder / "cli" / "checkpoints" / "config.json").read_text()))
     assert experiment.peft.method == "lora" and experiment.peft.rank == 2
     assert experiment.peft.targets == ("query", "key")
+    capsys.readouterr()
+    assert main(["sample", "--workdir", str(folder / "cli"), "--prompt", "def ",
+                 "--max-new-tokens", "8", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+    assert main(["eval", "--workdir", str(folder / "cli")]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 2
 
 
 def test_bad_init_from_is_refused(base, tmp_path):
@@ -96,3 +102,9 @@ def test_bad_init_from_is_refused(base, tmp_path):
     with pytest.raises(ValueError, match=r"peft\.method must be one of"):
         PeftConfig(method="ia3")
     assert isinstance(TrainConfig(init_from="x").init_from, str)
+
+
+def test_runs_without_fine_tuning_keep_the_identity_older_runs_stored(base):
+    identity = run_identity(base[1])
+    assert "peft" not in identity and "init_from" not in identity["train"]
+    assert "peft" in run_identity(_finetune(base, "lora"))

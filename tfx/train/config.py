@@ -208,6 +208,12 @@ def run_identity(experiment: Experiment) -> dict:
     identity = experiment.to_dict()
     identity.pop("mesh")
     identity["train"] = {k: v for k, v in identity["train"].items() if k not in LOOP_ONLY}
+    # Fine-tuning settings at their defaults are left out, so that runs stored before they
+    # existed keep their identity (and resume).
+    if experiment.peft == PeftConfig():
+        identity.pop("peft")
+    if experiment.train.init_from is None:
+        identity["train"].pop("init_from")
     return identity
 
 
