@@ -181,14 +181,19 @@ def cases():
     yield "jit_inside_set_mesh", check_jit_inside_set_mesh
 
 
-if __name__ == "__main__":
+def run_and_report(named_checks, path: str) -> None:
+    """Run every (name, check) and write {name: "ok" or the traceback} to path + ".json"."""
     report = {}
-    for name, check in cases():
+    for name, check in named_checks:
         try:
             check()
             report[name] = "ok"
         except Exception:  # every case reports, whatever fails
             report[name] = traceback.format_exc()
         print(name, report[name][:2000], flush=True)
-    with open(sys.argv[1] + ".json", "w") as f:
+    with open(path + ".json", "w") as f:
         json.dump(report, f)
+
+
+if __name__ == "__main__":
+    run_and_report(cases(), sys.argv[1])

@@ -7,20 +7,23 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tfx.models.config import TransformerConfig
+from tfx.models.config import TransformerConfig, compute_dtype
 from tfx.nn.attention import Attention, Rope
 from tfx.nn.dropout import make_dropout
 from tfx.nn.mlp import MLP
 from tfx.nn.moe import MoE
 from tfx.nn.norms import make_norm
+from tfx.ops.backends import current_platform
 from tfx.ops.kv_cache import LayerKV
 
 __all__ = ["Block", "dtypes"]
 
 
-def dtypes(config: TransformerConfig) -> dict:
-    """The dtype / param_dtype keyword arguments of every module of a model."""
-    return {"dtype": None if config.dtype is None else jnp.dtype(config.dtype),
+def dtypes(config: TransformerConfig, platform: str | None = None) -> dict:
+    """The dtype / param_dtype keyword arguments of every module of a model built on `platform`
+    (default: the one running here); config.dtype None gives the platform's compute dtype
+    (`tfx.models.config.compute_dtype`: bfloat16 on GPU/TPU, float32 on CPU)."""
+    return {"dtype": compute_dtype(config.dtype, platform or current_platform()),
             "param_dtype": jnp.dtype(config.param_dtype)}
 
 

@@ -9,19 +9,43 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from tfx.nn.mlp import ACTIVATIONS
 from tfx.nn.norms import NORMS
 from tfx.ops import moe
 from tfx.ops.attention import IMPLEMENTATIONS
+from tfx.ops.backends import default_compute_dtype
 from tfx.ops.positional import RopeScaling
 
-__all__ = ["POSITIONS", "DecoderConfig", "EncoderConfig", "EncoderDecoderConfig",
-           "TransformerConfig"]
+__all__ = ["COMPUTE_DTYPES", "POSITIONS", "DecoderConfig", "EncoderConfig",
+           "EncoderDecoderConfig", "TransformerConfig", "compute_dtype"]
 
 # How a model knows where tokens are: added to the embeddings ("learned", "sinusoidal"), rotated
 # into queries and keys ("rope"), added to the scores ("alibi", "t5", and Transformer-XL's
 # relative attention "xl", decoders only), or not at all ("none", NoPE).
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "t5", "xl", "none")
+
+COMPUTE_DTYPES = (None, "float32", "bfloat16", "float16")
+
+
+def compute_dtype(config_dtype: str | None, platform: str) -> jnp.dtype | None:
+    """The compute dtype of a model whose config says `dtype=config_dtype`, on `platform`.
+
+    An explicit config value wins everywhere ("float32" forces float32 on accelerators too);
+    None means the platform's default (`tfx.ops.backends.default_compute_dtype`: bfloat16 on
+    GPU and TPU; None on CPU and other platforms, i.e. float32 with float32 parameters).
+    Softmax statistics and router logits are float32 whatever this returns (tfx.ops computes
+    them so).
+
+    Args:
+      config_dtype: None or one of "float32", "bfloat16", "float16".
+      platform: a platform name as `jax.default_backend()` returns it ("cpu", "gpu", "tpu").
+    """
+    if config_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {config_dtype!r}")
+    dtype = config_dtype or default_compute_dtype(platform)
+    return None if dtype is None else jnp.dtype(dtype)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,7 +77,9 @@ class TransformerConfig:
     dropout: float = 0.0
     tie_embeddings: bool = True
     implementation: str | None = None  # attention kernel, see tfx.ops.dot_product_attention
-    dtype: str | None = None  # compute dtype, e.g. "bfloat16"; None: float32
+    # Compute dtype, e.g. "bfloat16". None: the platform's default (`compute_dtype`): bfloat16
+    # on GPU/TPU, float32 on CPU. Parameters stay in param_dtype either way.
+    dtype: str | None = None
     param_dtype: str = "float32"
     remat: bool = False  # rematerialise each layer in the backward pass
     scan_layers: bool = False  # stack layer weights [num_layers, ...] and run them in nnx.scan
@@ -67,7 +93,7 @@ class TransformerConfig:
     capacity_factor: float | None = None  # None: dropless
     router_policy: str = "topk"
     router_jitter: float = 0.0
-    moe_dispatch: str = "sorted"
+    moe_dispatch: str | None = None  # tfx.ops.moe.experts_ffn's implementation; None: platform's
     moe_shared_experts: int = 0  # always-active experts beside the routed ones (DeepSeek)
     router_bias_rate: float = 0.001  # "deepseek" policy: selection-bias step per train step
     load_balancing_weight: float = 0.01  # weights of the auxiliary losses in the training loss
@@ -90,7 +116,7 @@ class TransformerConfig:
         _one_of("norm", self.norm, NORMS)
         _one_of("rope_layout", self.rope_layout, ("half", "interleaved"))
         _one_of("implementation", self.implementation, (None, *IMPLEMENTATIONS))
-        _one_of("dtype", self.dtype, (None, "float32", "bfloat16", "float16"))
+        _one_of("dtype", self.dtype, COMPUTE_DTYPES)
         _one_of("param_dtype", self.param_dtype, ("float32", "bfloat16", "float16"))
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
@@ -118,7 +144,7 @@ class TransformerConfig:
                              f"must be 2, got {self.experts_per_token}")
         if not 0.0 <= self.router_jitter < 1.0:
             raise ValueError(f"router_jitter must be in [0, 1), got {self.router_jitter}")
-        _one_of("moe_dispatch", self.moe_dispatch, moe.IMPLEMENTATIONS)
+        _one_of("moe_dispatch", self.moe_dispatch, (None, *moe.IMPLEMENTATIONS))
         _positive_int("moe_shared_experts", self.moe_shared_experts, minimum=0)
         for name in ("load_balancing_weight", "router_z_weight", "router_bias_rate"):
             if not getattr(self, name) >= 0:

@@ -119,7 +119,7 @@ class Decoder(nnx.Module):
         if c.position == "learned" and max_len + g > c.max_len:
             raise ValueError(f"max_len ({max_len}) + soft prompt ({g} tokens) exceeds the "
                              f"learned position table (config.max_len = {c.max_len})")
-        dtype = jnp.dtype(dtype or c.dtype or jnp.float32)
+        dtype = jnp.dtype(dtype or dtypes(c)["dtype"] or jnp.float32)
         if c.position == "xl":
             if g:
                 raise ValueError("a soft prompt is not supported with a Transformer-XL memory "

@@ -125,7 +125,7 @@ class EncoderDecoder(nnx.Module):
         decoder = init_cache(num_layers=c.decoder_layers, batch=encoded.shape[0], max_len=max_len,
                              num_kv_heads=c.kv_heads,
                              head_dim=c.head_dim or c.d_model // c.num_heads,
-                             dtype=jnp.dtype(dtype or c.dtype or jnp.float32),
+                             dtype=jnp.dtype(dtype or dtypes(c)["dtype"] or jnp.float32),
                              stacked=c.scan_layers)
         return Seq2SeqCache(decoder=decoder, cross=self.decoder.cross_keys_values(encoded),
                             context_mask=self._context_mask(attention_mask))

@@ -59,7 +59,8 @@ class Attention(nnx.Module):
         position biases u, v [num_heads, head_dim] and a projection W_R of sinusoidal relative
         embeddings; scores (q + u)·k + (q + v)·W_R R_{i-j}. Causal self-attention only (the
         queries are the last q_len of the keys).
-      implementation: "reference", "blocked" or None (automatic), as in the op.
+      implementation: an implementation of `tfx.ops.dot_product_attention` ("reference",
+        "blocked", "cudnn", "pallas_gpu", "splash") or None (the platform's best, as in the op).
       block_sizes: (block_q, block_k) for the blocked path, or None for the default.
       dtype: compute dtype (e.g. jnp.bfloat16); param_dtype: storage dtype of the weights.
 

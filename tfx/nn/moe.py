@@ -57,7 +57,8 @@ class MoE(nnx.Module):
         `selection_bias` [E] (a Param that tfx.train moves toward balance instead of
         training it) and records its `expert_load` [E] in train mode.
       jitter: Switch's router noise in training.
-      implementation: the dispatch of tfx.ops.moe.experts_ffn ("sorted", "onehot", "ragged").
+      implementation: the dispatch of tfx.ops.moe.experts_ffn: None (the platform's), "sorted",
+        "onehot", "ragged" or "megablox".
       shared_experts: that many always-active experts (one MLP of width shared · d_ff) whose
         output is added to the routed experts' (DeepSeek).
       dtype: compute dtype of the experts (the router always computes in float32).
@@ -66,7 +67,7 @@ class MoE(nnx.Module):
     def __init__(self, d_model: int, d_ff: int, *, num_experts: int, experts_per_token: int,
                  activation: str = "silu", gated: bool = True,
                  capacity_factor: float | None = None, policy: str = "topk",
-                 jitter: float = 0.0, implementation: str = "sorted",
+                 jitter: float = 0.0, implementation: str | None = None,
                  shared_experts: int = 0, dtype=None,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.router = nnx.Linear(d_model, num_experts, use_bias=False, param_dtype=param_dtype,
@@ -110,7 +111,8 @@ class MoE(nnx.Module):
             options["selection_bias"] = self.selection_bias[...]
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and mesh.shape.get("expert", 1) > 1:
-            del options["implementation"]  # each device runs its experts as one batch
+            # The exchange (fixed or ragged, by platform) decides how each device runs its experts.
+            del options["implementation"]
             out, routing = moe.expert_parallel_moe(tokens, self.router.kernel[...],
                                                    self.experts.weights(), mesh=mesh, rng=rng,
                                                    token_mask=token_mask, **options)

@@ -1,8 +1,9 @@
 """Scaled dot-product attention: MHA, GQA and MQA, masks, bias, sparsity, self and cross.
 
-The public entry point validates its arguments, folds `is_causal` and `sparsity` into one boolean
-mask, and dispatches to an implementation. "reference" materialises the [B, H, T, S] scores and
-is the definition every faster kernel is tested against.
+The public entry point validates its arguments, folds `is_causal` and `sparsity` into one static
+spec, and dispatches to an implementation chosen by `tfx.ops.backends` for the platform.
+"reference" materialises the [B, H, T, S] scores and is the definition every faster kernel is
+tested against.
 """
 
 from __future__ import annotations
@@ -14,19 +15,32 @@ import jax.numpy as jnp
 import numpy as np
 
 from tfx.ops import _checks
+from tfx.ops.backends import (
+    BLOCKED_MIN_SCORES,
+    AttentionCase,
+    attention_unavailable,
+    current_platform,
+    select_attention,
+)
 from tfx.ops.block_plan import block_plan
 from tfx.ops.blocked_attention import ScoreInputs, blocked_attention
+from tfx.ops.gpu_attention import cudnn_attention, pallas_gpu_attention
 from tfx.ops.masks import combine_masks, segment_mask
 from tfx.ops.sparse import Causal, SparsitySpec
+from tfx.ops.splash import splash_attention
 
-__all__ = ["IMPLEMENTATIONS", "cached_attention", "dot_product_attention", "static_spec"]
+__all__ = [
+    "BLOCKED_MIN_SCORES",
+    "IMPLEMENTATIONS",
+    "cached_attention",
+    "dot_product_attention",
+    "static_spec",
+]
 
-IMPLEMENTATIONS = ("reference", "blocked")
-# Tile sizes of the blocked kernel, and the score-matrix size from which implementation=None
-# picks it over the reference path (measured with benchmarks/attention.py).
+IMPLEMENTATIONS = ("reference", "blocked", "cudnn", "pallas_gpu", "splash")
+# Tile sizes of the blocked kernel (measured with benchmarks/attention.py).
 BLOCK_Q = 256
 BLOCK_K = 512
-BLOCKED_MIN_SCORES = 2**19  # between 512² (reference faster) and 1024² (blocked ~2x faster)
 
 # Masked logits take the most negative finite float32 rather than -inf: a fully masked row then
 # stays finite (no inf - inf) and the explicit zeroing below turns it into zeros.
@@ -76,8 +90,11 @@ def dot_product_attention(
       implementation: "reference" (materialises the [batch, heads, q_len, kv_len] scores),
         "blocked" (online softmax over tiles, O(q_len + kv_len) memory, skips tiles that the
         causal mask, `sparsity` or key padding leave empty, and tiles that `mask` or segment ids
-        leave empty for the whole batch) or None: "blocked" when q_len·kv_len >=
-        BLOCKED_MIN_SCORES, else "reference" (small problems are faster in one fused piece).
+        leave empty for the whole batch), "cudnn" (GPU), "pallas_gpu" (GPU), "splash" (TPU), or
+        None: the fastest one that can run this call on `jax.default_backend()`, as tabled in
+        `tfx.ops.backends` (on CPU: "blocked" when q_len·kv_len >= BLOCKED_MIN_SCORES, else
+        "reference"). Forcing one that cannot run raises a ValueError naming what it lacks.
+        "pallas_gpu" and "splash" forced on CPU run in Pallas interpret mode (slow; for tests).
       block_sizes: (block_q, block_k) tile sizes of the blocked path; default
         (BLOCK_Q, BLOCK_K), each capped at its sequence length.
     Returns:
@@ -85,17 +102,35 @@ def dot_product_attention(
       are float32 for every input dtype. A query row with no visible key returns zeros and has
       finite (zero) gradients.
     """
+    cross_segments = key_segment_ids is not None
     if key_segment_ids is None:
         key_segment_ids = query_segment_ids
     _validate(query, key, value, bias, mask, is_causal, scale, sparsity)
     block_q, block_k = _block_sizes(block_sizes, query.shape[1], key.shape[1])
     _validate_segments(query_segment_ids, key_segment_ids, query.shape[:2], key.shape[:2])
-    _, q_len, _, head_dim = query.shape
-    kv_len = key.shape[1]
-    implementation = _resolve_implementation(implementation, q_len, kv_len)
+    _, q_len, num_heads, head_dim = query.shape
+    kv_len, num_kv_heads, value_dim = key.shape[1], key.shape[2], value.shape[3]
     spec = static_spec(is_causal, sparsity)
+    case = AttentionCase(
+        dtype=query.dtype, q_len=q_len, kv_len=kv_len, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, value_dim=value_dim,
+        has_bias=bias is not None, has_mask=mask is not None,
+        has_segments=query_segment_ids is not None, cross_segments=cross_segments, spec=spec,
+    )
+    platform = current_platform()
+    implementation = _resolve_implementation(implementation, platform, case)
     if scale is None:
         scale = 1.0 / float(np.sqrt(head_dim))
+    # CPU runs the Pallas kernels only through the interpreter.
+    interpret = platform == "cpu"
+    if implementation == "cudnn":
+        return cudnn_attention(query, key, value, bias, spec, scale)
+    if implementation == "pallas_gpu":
+        return pallas_gpu_attention(query, key, value, query_segment_ids, spec, scale,
+                                    interpret=interpret)
+    if implementation == "splash":
+        segments = None if query_segment_ids is None else (query_segment_ids, key_segment_ids)
+        return splash_attention(query, key, value, segments, spec, scale, interpret=interpret)
     if implementation == "blocked":
         segments = (query_segment_ids, key_segment_ids)
         return _blocked(query, key, value, bias, mask, segments, spec, scale, block_q, block_k)
@@ -144,13 +179,18 @@ def cached_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
     return _reference_attention(query, key, value, bias, mask, scale, kv_layout="bksd")
 
 
-def _resolve_implementation(implementation: str | None, q_len: int, kv_len: int) -> str:
+def _resolve_implementation(implementation: str | None, platform: str,
+                            case: AttentionCase) -> str:
     if implementation is None:
-        return "blocked" if q_len * kv_len >= BLOCKED_MIN_SCORES else "reference"
+        return select_attention(platform, case)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}"
         )
+    missing = attention_unavailable(implementation, platform, case)
+    if missing:
+        raise ValueError(f"implementation={implementation!r} cannot run this call; it needs "
+                         + "; ".join(missing))
     return implementation
 
 

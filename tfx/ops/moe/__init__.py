@@ -8,6 +8,7 @@ import functools
 import jax
 
 from tfx.ops import _checks
+from tfx.ops.backends import select_expert_all_to_all, select_grouped_matmul
 from tfx.ops.moe.dispatch import IMPLEMENTATIONS, ExpertWeights, batched_experts, experts_ffn
 from tfx.ops.moe.expert_parallel import expert_parallel_moe
 from tfx.ops.moe.grouped_matmul import grouped_matmul
@@ -25,18 +26,19 @@ from tfx.ops.moe.routing import (
 __all__ = ["IMPLEMENTATIONS", "POLICIES", "PRIORITIES", "ExpertWeights", "Routing",
            "batched_experts", "expert_capacity", "expert_load", "expert_parallel_moe",
            "experts_ffn", "grouped_matmul", "moe", "route", "router_logits",
-           "update_selection_bias"]
+           "select_expert_all_to_all", "select_grouped_matmul", "update_selection_bias"]
 
 
 @functools.partial(jax.jit, static_argnames=(
     "num_selected", "policy", "capacity_factor", "jitter", "priority", "activation",
-    "implementation", "block_size"))
+    "implementation", "block_size", "interpret"))
 def moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertWeights, *, num_selected: int,
         policy: str = "topk", capacity_factor: float | None = None,
         rng: jax.Array | None = None, jitter: float = 0.0, priority: str = "position",
         token_mask: jax.Array | None = None, selection_bias: jax.Array | None = None,
         activation: str = "silu",
-        implementation: str = "sorted", block_size: int = 128) -> tuple[jax.Array, Routing]:
+        implementation: str | None = None, block_size: int = 128,
+        interpret: bool = False) -> tuple[jax.Array, Routing]:
     """A mixture-of-experts MLP: route x [tokens, d_model] with router_kernel [d_model, E],
     run the experts and combine. Returns ([tokens, d_model], the Routing with its losses).
     Arguments as in `route` and `experts_ffn`."""
@@ -45,5 +47,6 @@ def moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertWeights, *, num_s
                     capacity_factor=capacity_factor, rng=rng, jitter=jitter, priority=priority,
                     token_mask=token_mask, selection_bias=selection_bias)
     out = experts_ffn(x, routing, weights, activation=activation,
-                      implementation=implementation, block_size=block_size)
+                      implementation=implementation, block_size=block_size,
+                      interpret=interpret)
     return out, routing

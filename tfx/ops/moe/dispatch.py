@@ -1,6 +1,7 @@
 """Running the experts on their tokens and combining the results.
 
-Three implementations of one function, `experts_ffn`:
+Four implementations of one function, `experts_ffn`; None (the default) picks this platform's
+(tfx.ops.backends: "ragged" on GPU, "megablox" on TPU, "sorted" elsewhere):
 - "onehot": GShard's einsums with a [tokens, E, C] dispatch tensor (C = capacity, or tokens
   when dropless). Simple and the reference the others are tested against, but its cost grows
   as tokens · E · C · d_model.
@@ -10,6 +11,8 @@ Three implementations of one function, `experts_ffn`:
   computed, so this path is as fast dropless as with a capacity (benchmarks/moe.py).
 - "ragged": the sorted rows (no padding) through `jax.lax.ragged_dot`; on CPU XLA computes every
   expert on every row, so it is here for accelerators and for measuring.
+- "megablox": the same rows through the Pallas megablox `gmm` kernel (tfx.ops.moe.megablox):
+  TPU only, or anywhere with `interpret=True` (slow, for tests); float32 or bfloat16.
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ import jax.numpy as jnp
 
 from tfx.ops import _checks
 from tfx.ops.activations import ACTIVATIONS
+from tfx.ops.backends import current_platform, select_grouped_matmul
+from tfx.ops.moe import megablox
 from tfx.ops.moe.grouped_matmul import grouped_matmul
 from tfx.ops.moe.routing import Routing
 
 __all__ = ["IMPLEMENTATIONS", "ExpertWeights", "batched_experts", "check_weights", "combine_rows",
-           "experts_ffn", "gather_rows"]
+           "experts_ffn", "gather_rows", "grouped_experts", "sorted_rows"]
 
-IMPLEMENTATIONS = ("sorted", "onehot", "ragged")
+IMPLEMENTATIONS = ("sorted", "onehot", "ragged", "megablox")
 
 
 class ExpertWeights(NamedTuple):
@@ -40,10 +45,11 @@ class ExpertWeights(NamedTuple):
     down: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "implementation", "block_size"))
+@functools.partial(jax.jit, static_argnames=("activation", "implementation", "block_size",
+                                             "interpret"))
 def experts_ffn(x: jax.Array, routing: Routing, weights: ExpertWeights, *,
-                activation: str = "silu", implementation: str = "sorted",
-                block_size: int = 128) -> jax.Array:
+                activation: str = "silu", implementation: str | None = None,
+                block_size: int = 128, interpret: bool = False) -> jax.Array:
     """Σ_j kept[t, j] · weights[t, j] · expert_{expert_ids[t, j]}(x[t]) for every token t.
 
     Args:
@@ -51,25 +57,36 @@ def experts_ffn(x: jax.Array, routing: Routing, weights: ExpertWeights, *,
       routing: from `route` over the same tokens.
       weights: the experts' matrices.
       activation: a key of tfx.ops.activations.ACTIVATIONS.
-      implementation: "sorted", "onehot" or "ragged" (module docstring).
-      block_size: rows per block of the "sorted" path.
+      implementation: None (this platform's), "sorted", "onehot", "ragged" or "megablox"
+        (module docstring).
+      block_size: rows per block of "sorted", and the row tile of "megablox".
+      interpret: run "megablox" in Pallas interpret mode (on any platform); the other
+        implementations are plain XLA and ignore it.
     Returns:
       [tokens, d_model] in x's dtype; zero for a token whose every assignment was dropped.
     """
-    _check(x, routing, weights, activation, implementation)
+    if implementation is None:
+        implementation = select_grouped_matmul(current_platform())
+    _check(x, routing, weights, activation, implementation, interpret)
     _checks.positive_int("block_size", block_size)
     if implementation == "onehot":
         return _onehot(x, routing, weights, activation)
-    if implementation == "ragged":
-        return _ragged(x, routing, weights, activation)
-    return _blocked(x, routing, weights, activation, block_size)
+    if implementation == "sorted":
+        return _blocked(x, routing, weights, activation, block_size)
+    tokens, k = routing.expert_ids.shape
+    rows, destination, sizes = sorted_rows(x, routing, weights.up.shape[0], 1, tokens * k)
+    out = grouped_experts(rows, sizes, weights, activation, implementation,
+                          tile_rows=block_size, interpret=interpret)
+    return combine_rows(out, destination, routing, x.dtype)
 
 
-def _check(x, routing, weights, activation, implementation):
+def _check(x, routing, weights, activation, implementation, interpret):
     _checks.floating("x", x, ndim=2, layout="[tokens, d_model]")
     if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
+        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")
+    if implementation == "megablox":
+        megablox.check_available(x.dtype, current_platform(), interpret)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     if routing.expert_ids.shape[0] != x.shape[0]:
@@ -130,7 +147,24 @@ def gather_rows(x, destination, kept, num_rows: int):
     return jnp.take(padded, source, axis=0)
 
 
-def _sorted_rows(x, routing: Routing, experts: int, block: int, num_rows: int):
+def grouped_experts(rows, group_sizes, weights: ExpertWeights, activation: str,
+                    implementation: str, *, tile_rows: int = 128, interpret: bool = False):
+    """Every expert on its own rows, the rows sorted by expert: [R, d_model] -> [R, d_model].
+
+    group_sizes: int32 [E], summing to at most R (the rows after them come out zero).
+    implementation: "ragged" (`jax.lax.ragged_dot`) or "megablox" (its `tile_rows` and
+    `interpret` as in `grouped_matmul_megablox`)."""
+    if implementation == "megablox":
+        def matmul(a, w):
+            return megablox.grouped_matmul_megablox(a, w, group_sizes, tile_rows=tile_rows,
+                                                    interpret=interpret)
+    else:
+        def matmul(a, w):
+            return jax.lax.ragged_dot(a, w, group_sizes)
+    return _expert_mlp(rows, weights, activation, matmul)
+
+
+def sorted_rows(x, routing: Routing, experts: int, block: int, num_rows: int):
     """The kept assignments' rows sorted by expert, each expert's group padded to a multiple
     of `block`: (rows [num_rows, d], destination [tokens, k] of each assignment, padded group
     sizes int32 [E])."""
@@ -146,21 +180,13 @@ def _blocked(x, routing: Routing, weights, activation, block: int):
     tokens, k = routing.expert_ids.shape
     block = min(block, tokens * k)
     num_blocks = -(-(tokens * k + experts * (block - 1)) // block)  # room for any grouping
-    rows, destination, sizes = _sorted_rows(x, routing, experts, block, num_blocks * block)
+    rows, destination, sizes = sorted_rows(x, routing, experts, block, num_blocks * block)
     ends = jnp.cumsum(sizes)
     block_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(num_blocks) * block,
                                                 side="right"), experts - 1).astype(jnp.int32)
     used = (ends[-1] // block).astype(jnp.int32)
     out = _expert_mlp(rows, weights, activation,
                       lambda a, w: grouped_matmul(a, w, block_expert, used))
-    return combine_rows(out, destination, routing, x.dtype)
-
-
-def _ragged(x, routing: Routing, weights, activation):
-    tokens, k = routing.expert_ids.shape
-    rows, destination, sizes = _sorted_rows(x, routing, weights.up.shape[0], 1, tokens * k)
-    out = _expert_mlp(rows, weights, activation,
-                      lambda a, w: jax.lax.ragged_dot(a, w, sizes))
     return combine_rows(out, destination, routing, x.dtype)
 
 
