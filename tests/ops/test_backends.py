@@ -50,6 +50,8 @@ def case(base=BF16, **changes):
     ("tpu", case(has_segments=True, cross_segments=True, q_len=256), "splash"),
     ("tpu", case(has_bias=True), "blocked"),
     ("tpu", case(has_mask=True), "blocked"),
+    ("tpu", case(has_mask=True, key_mask=True), "splash"),  # padding, as segment ids
+    ("gpu", case(has_mask=True, key_mask=True), "blocked"),
     ("tpu", case(q_len=1000), "blocked"),
 ])
 def test_selection_table(platform, attention, expected):

@@ -13,7 +13,7 @@ import pytest
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 from kernel_cases import attention_values_and_grads
 
-from tfx.ops import dot_product_attention, sparse
+from tfx.ops import backends, dot_product_attention, sparse
 from tfx.ops.splash import splash_block, splash_mask
 
 SPECS = {
@@ -58,6 +58,23 @@ def test_every_spec_gqa_with_segments(name):
     segments = jnp.asarray([[0] * 200 + [1] * 184, [0] * 384], jnp.int32)
     _assert_matches_reference(query, key, value, cotangent, sparsity=SPECS[name],
                               query_segment_ids=segments)
+
+
+@pytest.mark.parametrize("segmented", [False, pytest.param(True, marks=SLOW)])
+def test_padding_masks_run_as_segment_ids(segmented):
+    """A key-padding mask [batch, 1, 1, kv_len] (left padding in row 0, right in row 1, one row
+    of packed sequences) gives the reference's values and gradients, and is picked
+    automatically on a TPU."""
+    query, key, value, cotangent = _inputs(256, 256, num_heads=2, num_kv_heads=1)
+    valid = jnp.asarray([[False] * 40 + [True] * 216, [True] * 190 + [False] * 66])
+    kwargs = {"mask": valid[:, None, None, :], "is_causal": True}
+    if segmented:
+        kwargs["query_segment_ids"] = jnp.asarray([[0] * 100 + [1] * 156, [5] * 256], jnp.int32)
+    _assert_matches_reference(query, key, value, cotangent, **kwargs)
+    case = backends.AttentionCase(dtype=jnp.bfloat16, q_len=256, kv_len=256, num_heads=2,
+                                  num_kv_heads=1, head_dim=64, value_dim=64, has_mask=True,
+                                  key_mask=True, spec=sparse.Causal())
+    assert backends.select_attention("tpu", case) == "splash"
 
 
 @SLOW

@@ -27,7 +27,7 @@ from tfx.ops.blocked_attention import ScoreInputs, blocked_attention
 from tfx.ops.gpu_attention import cudnn_attention, pallas_gpu_attention
 from tfx.ops.masks import combine_masks, segment_mask
 from tfx.ops.sparse import Causal, SparsitySpec
-from tfx.ops.splash import splash_attention
+from tfx.ops.splash import key_mask_as_segments, splash_attention
 
 __all__ = [
     "BLOCKED_MIN_SCORES",
@@ -115,6 +115,7 @@ def dot_product_attention(
         dtype=query.dtype, q_len=q_len, kv_len=kv_len, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, value_dim=value_dim,
         has_bias=bias is not None, has_mask=mask is not None,
+        key_mask=mask is not None and _masks_keys_only(mask.shape),
         has_segments=query_segment_ids is not None, cross_segments=cross_segments, spec=spec,
     )
     platform = current_platform()
@@ -130,6 +131,8 @@ def dot_product_attention(
                                     interpret=interpret)
     if implementation == "splash":
         segments = None if query_segment_ids is None else (query_segment_ids, key_segment_ids)
+        if mask is not None:  # a padding mask: padded keys join no query's segment
+            segments = key_mask_as_segments(mask, segments, query.shape[0], q_len, kv_len)
         return splash_attention(query, key, value, segments, spec, scale, interpret=interpret)
     if implementation == "blocked":
         segments = (query_segment_ids, key_segment_ids)
@@ -192,6 +195,13 @@ def _resolve_implementation(implementation: str | None, platform: str,
         raise ValueError(f"implementation={implementation!r} cannot run this call; it needs "
                          + "; ".join(missing))
     return implementation
+
+
+def _masks_keys_only(shape: tuple[int, ...]) -> bool:
+    """Whether a mask of this shape (broadcastable to [batch, heads, q_len, kv_len]) can only
+    mask keys: its heads and query dims are 1 (or absent)."""
+    full = (1,) * (4 - len(shape)) + tuple(shape)
+    return full[1] == full[2] == 1
 
 
 def static_spec(is_causal: bool, sparsity: SparsitySpec | None) -> SparsitySpec | None:

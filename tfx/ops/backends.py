@@ -68,8 +68,10 @@ class AttentionCase:
     """The static facts of one attention call that decide which kernels can run it.
 
     `spec` is the trace-time mask (`is_causal` and `sparsity` as one `tfx.ops.sparse` spec, or
-    None). `cross_segments` says that key segment ids were given apart from the query's, so they
-    may differ (the Pallas GPU kernel takes one array for both).
+    None). `key_mask` says that the boolean mask masks keys only (it broadcasts from
+    [batch, 1, 1, kv_len]: padding), which kernels with segment ids can take as segments.
+    `cross_segments` says that key segment ids were given apart from the query's, so they may
+    differ (the Pallas GPU kernel takes one array for both).
     """
 
     dtype: np.dtype
@@ -81,6 +83,7 @@ class AttentionCase:
     value_dim: int
     has_bias: bool = False
     has_mask: bool = False
+    key_mask: bool = False
     has_segments: bool = False
     cross_segments: bool = False
     spec: SparsitySpec | None = None
@@ -109,6 +112,12 @@ def _without(field: str, what: str) -> Need:
         if getattr(case, field):
             return f"no {what} (got one)"
     return need
+
+
+def _key_mask_only(platform, case):
+    if case.has_mask and not case.key_mask:
+        return ("no mask other than a key (padding) mask [batch, 1, 1, kv_len] (got one over "
+                "queries)")
 
 
 def _cudnn_head_dim(platform, case):
@@ -171,7 +180,7 @@ ATTENTION_NEEDS: dict[str, tuple[Need, ...]] = {
                    _without("cross_segments", "key_segment_ids apart from query_segment_ids"),
                    _causal_or_none, _self_attention_lengths),
     "splash": (_on("tpu", "cpu"), _dtype_in("float16", "bfloat16", "float32"),
-               _without("has_bias", "bias"), _without("has_mask", "mask"), _splash_lengths),
+               _without("has_bias", "bias"), _key_mask_only, _splash_lengths),
 }
 
 # Kernels tried in order; tfx's own kernels (see `_portable`) end every list.

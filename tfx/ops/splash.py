@@ -19,7 +19,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 
 from tfx.ops.sparse import AfterPrefix, Causal, Intersection, SlidingWindow, SparsitySpec, Union
 
-__all__ = ["splash_attention", "splash_block", "splash_mask"]
+__all__ = ["key_mask_as_segments", "splash_attention", "splash_block", "splash_mask"]
 
 # Each query row starts with this "attention sink" logit (a score with no value): far above
 # splash's masked logit (-0.7 * float32 max) and far below any real score. A row that sees a
@@ -47,6 +47,28 @@ def splash_mask(spec: SparsitySpec | None, q_len: int, kv_len: int) -> masks.Mas
             combine = operator.or_ if isinstance(spec, Union) else operator.and_
             return functools.reduce(combine, parts)
     return masks.NumpyMask(np.asarray(spec.dense(q_len, kv_len)))
+
+
+def key_mask_as_segments(mask: jax.Array, segments: tuple[jax.Array, jax.Array] | None,
+                         batch: int, q_len: int, kv_len: int) -> tuple[jax.Array, jax.Array]:
+    """A key (padding) mask, broadcastable to [batch, 1, 1, kv_len], as segment ids: a masked
+    key gets an id no query has, so the two forms hide exactly the same pairs.
+
+    Args:
+      mask: bool, True = may attend; its heads and query dims are 1.
+      segments: None or (query ids int [batch, q_len], key ids int [batch, kv_len]).
+    Returns:
+      (query ids int32 [batch, q_len], key ids int32 [batch, kv_len]).
+    """
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    keys = jnp.broadcast_to(mask[:, 0, 0, :], (batch, kv_len))
+    if segments is None:
+        query_ids = jnp.zeros((batch, q_len), jnp.int32)
+        key_ids = jnp.zeros((batch, kv_len), jnp.int32)
+    else:
+        query_ids, key_ids = (ids.astype(jnp.int32) for ids in segments)
+    nobody = jnp.min(query_ids) - 1  # below every query's id
+    return query_ids, jnp.where(keys, key_ids, nobody)
 
 
 def splash_block(length: int) -> int:
