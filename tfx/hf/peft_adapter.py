@@ -18,6 +18,7 @@ their factors have no peft equivalent.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import numpy as np
@@ -183,7 +184,12 @@ def _write(folder: pathlib.Path, tensors: dict[str, np.ndarray], adapter_config:
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"directory {folder} exists and is not a folder")
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-              str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (folder / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2,
-                                                           sort_keys=True))
+    # Each file is written beside its place and renamed in: a failed save keeps the old one.
+    weights, config = folder / "adapter_model.safetensors", folder / "adapter_config.json"
+    staged = [weights.with_name(weights.name + ".partial"),
+              config.with_name(config.name + ".partial")]
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(staged[0]),
+              metadata={"format": "pt"})
+    staged[1].write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
+    for partial, final in zip(staged, (weights, config), strict=True):
+        os.replace(partial, final)

@@ -34,7 +34,7 @@ __all__ = ["Factors", "LoRA", "LoRAWeights", "attach", "detach", "init", "merge"
            "weights_of"]
 
 INIT_STYLES = ("peft", "seed", "seed_normal")
-_WEIGHT_NAMES = {"kernel": nnx.Linear, "table": TokenEmbedding}
+_WEIGHT_NAMES = ("kernel", "table")  # of linear layers and of embeddings
 
 
 @struct.dataclass

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
 from tfx.peft.core import PeftParam
@@ -70,11 +70,10 @@ def load(model: nnx.Module, path: str | os.PathLike, *, rngs: nnx.Rngs | None = 
         raise ValueError(f"path: no PEFT parameter file at {str(path)!r}")
     try:
         tensors = load_file(path)
-        with open(path, "rb") as f:  # the header: 8-byte length, then JSON
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        with safe_open(path, "numpy") as f:
+            metadata = f.metadata() or {}
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"path: {str(path)!r} is not a readable safetensors file ({e})") from e
-    metadata = header.get("__metadata__") or {}
     if not jax.tree.leaves(nnx.state(model, PeftParam)):
         if "method" not in metadata:
             raise ValueError(f"{path} does not say which PEFT method made it; attach the method "

@@ -221,7 +221,7 @@ def _check_same_config(path: pathlib.Path, config: dict) -> None:
         old = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{path} is unreadable ({e}); refusing to reuse this directory") from e
-    diffs = _diff(old, config, "")
+    diffs = config_diff(old, config, "")
     if diffs:
         raise ValueError(f"{path.parent} holds checkpoints of another config; differing keys "
                          "(old vs new): " + "; ".join(f"{k}: {o!r} vs {n!r}" for k, o, n in diffs))
@@ -235,12 +235,12 @@ class _Missing:
 _MISSING = _Missing()
 
 
-def _diff(old: Any, new: Any, prefix: str) -> list[tuple[str, Any, Any]]:
+def config_diff(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
     """(dotted key, old, new) for every leaf where two JSON trees differ."""
     if isinstance(old, dict) and isinstance(new, dict):
         out = []
         for key in sorted(old.keys() | new.keys()):
             path = f"{prefix}.{key}" if prefix else key
-            out += _diff(old.get(key, _MISSING), new.get(key, _MISSING), path)
+            out += config_diff(old.get(key, _MISSING), new.get(key, _MISSING), path)
         return out
     return [] if old == new else [(prefix or "<root>", old, new)]

@@ -10,7 +10,7 @@ from flax import nnx
 
 from tfx.models.config import TransformerConfig
 from tfx.models.presets import create
-from tfx.train.checkpoint import Checkpoints, _diff
+from tfx.train.checkpoint import Checkpoints, config_diff
 from tfx.train.config import experiment_from_dict, run_identity
 from tfx.train.optim import make_optimizer
 from tfx.train.step import init_train_state
@@ -32,7 +32,7 @@ def pretrained_params(workdir: str | Path, model: TransformerConfig) -> nnx.Stat
                          f"{path})")
     base = experiment_from_dict(json.loads(path.read_text()))
     if base.model != model:
-        diffs = _diff(base.model.__dict__, model.__dict__, "model")
+        diffs = config_diff(base.model.__dict__, model.__dict__, "model")
         raise ValueError(f"train.init_from: {workdir} trained another model; differing fields "
                          "(base vs this run): " + "; ".join(f"{k}: {o!r} vs {n!r}"
                                                             for k, o, n in diffs))
