@@ -316,3 +316,61 @@ def test_after_prefix_shows_every_prefix_key_and_shifts_the_inner_mask():
     window = sparse.AfterPrefix(sparse.SlidingWindow(2), 1).dense(4, 5)
     np.testing.assert_array_equal(window[:, 1:], sparse.SlidingWindow(2).dense(4, 4))
     assert window[:, 0].all()
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("causal", Causal()),
+        ("window:256", SlidingWindow(256)),
+        ("strided:45", Strided(45)),
+        ("fixed:128,8", Fixed(128, 8)),
+        ("global:16", GlobalTokens(16)),
+        ("random:64,2", RandomBlocks(64, 2)),
+        ("random:64,2,7", RandomBlocks(64, 2, seed=7)),
+        (" window: 4 | global:2 ", Union(SlidingWindow(4), GlobalTokens(2))),
+        (
+            "window:256|global:16|random:64,2",
+            SlidingWindow(256) | GlobalTokens(16) | RandomBlocks(64, 2),
+        ),
+    ],
+)
+def test_parse_spec_builds_the_named_specs(text, expected):
+    spec = sparse.parse_spec(text)
+    assert spec == expected
+    parts = expected.parts if isinstance(expected, Union) else (expected,)
+    reference = np.logical_or.reduce([reference_dense(part, 9, 9) for part in parts])
+    np.testing.assert_array_equal(spec.dense(9, 9), reference)
+
+
+def test_parse_spec_names_every_spec_of_the_grammar():
+    assert set(sparse.SPEC_NAMES) == {"causal", "window", "strided", "fixed", "global", "random"}
+    for name in sparse.SPEC_NAMES:
+        assert name in sparse.SPEC_GRAMMAR
+    assert "random:block,num_random[,seed]" in sparse.SPEC_GRAMMAR
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("", r"bad part '' .*unknown name ''"),
+        ("tile:4", r"bad part 'tile:4' .*unknown name 'tile'"),
+        ("window", r"bad part 'window' .*got 0 argument\(s\), expected window:size"),
+        ("window:4,5", r"got 2 argument\(s\), expected window:size"),
+        ("causal:1", r"got 1 argument\(s\), expected causal"),
+        ("random:64", r"expected random:block,num_random\[,seed\]"),
+        ("window:2.5", r"bad part 'window:2.5' .*invalid literal"),
+        ("window:0", r"bad part 'window:0' .*SlidingWindow size must be >= 1"),
+        ("fixed:4,8", r"Fixed summary \(8\) must be <= block \(4\)"),
+        ("window:4|", r"bad part '' of sparsity spec 'window:4\|'"),
+    ],
+)
+def test_parse_spec_errors_name_the_part_and_give_the_grammar(text, match):
+    with pytest.raises(ValueError, match=match) as raised:
+        sparse.parse_spec(text)
+    assert sparse.SPEC_GRAMMAR in str(raised.value)
+
+
+def test_parse_spec_wants_a_str():
+    with pytest.raises(TypeError, match="must be a str, got int"):
+        sparse.parse_spec(4)

@@ -34,6 +34,14 @@ def test_loop_settings_are_not_part_of_a_runs_identity():
     assert run_identity(longer) != run_identity(e)  # the schedule depends on steps
 
 
+def test_a_default_attention_pattern_is_not_part_of_a_runs_identity():
+    # Runs stored before DecoderConfig.attention_pattern existed keep their identity.
+    e = get_experiment("gpt_char")
+    assert "attention_pattern" not in run_identity(e)["model"]
+    patterned = dataclasses.replace(e, model=e.model.replace(attention_pattern="window:8"))
+    assert run_identity(patterned)["model"]["attention_pattern"] == "window:8"
+
+
 def test_every_position_has_an_equal_footing_experiment():
     names = [n for n in EXPERIMENTS if n.startswith("posenc_")]
     assert {EXPERIMENTS[n].model.position for n in names} == {

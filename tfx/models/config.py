@@ -17,6 +17,7 @@ from tfx.ops import moe
 from tfx.ops.attention import IMPLEMENTATIONS
 from tfx.ops.backends import default_compute_dtype
 from tfx.ops.positional import RopeScaling
+from tfx.ops.sparse import parse_spec
 
 __all__ = ["COMPUTE_DTYPES", "POSITIONS", "DecoderConfig", "EncoderConfig",
            "EncoderDecoderConfig", "TransformerConfig", "compute_dtype"]
@@ -169,14 +170,36 @@ class TransformerConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig(TransformerConfig):
     """Causal language model (GPT-2, LLaMA, Mistral): sliding_window limits how far back a
-    token attends (Mistral), None for full causal attention."""
+    token attends (Mistral), None for full causal attention.
+
+    attention_pattern: a sparse attention pattern instead, in the text form of
+    `tfx.ops.sparse.parse_spec` (e.g. "window:256|global:16|random:64,2", BigBird), intersected
+    with the causal mask. For training and scoring: a KV cache cannot hold it, so decoding with
+    a cache (generation) raises.
+    """
 
     sliding_window: int | None = None
+    attention_pattern: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
         if self.sliding_window is not None:
             _positive_int("sliding_window", self.sliding_window)
+        if self.attention_pattern is not None:
+            self._check_attention_pattern()
+
+    def _check_attention_pattern(self):
+        if not isinstance(self.attention_pattern, str):
+            raise TypeError(f"attention_pattern must be a str or None, got "
+                            f"{type(self.attention_pattern).__name__}")
+        if self.sliding_window is not None:
+            raise ValueError(f"give sliding_window ({self.sliding_window}) or attention_pattern "
+                             f"({self.attention_pattern!r}), not both: a window can be a part of "
+                             f"the pattern, 'window:{self.sliding_window}|...'")
+        try:
+            parse_spec(self.attention_pattern)
+        except ValueError as e:
+            raise ValueError(f"attention_pattern: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,7 @@ from tfx.nn.embeddings import LearnedPositions, SinusoidalPositions, TokenEmbedd
 from tfx.nn.norms import make_norm
 from tfx.nn.relative_bias import RelativePositionBias
 from tfx.ops.kv_cache import CacheStep, LayerKV
-from tfx.ops.sparse import SlidingWindow
+from tfx.ops.sparse import SlidingWindow, parse_spec
 
 __all__ = ["Embeddings", "Stack"]
 
@@ -82,6 +82,8 @@ class Stack(nnx.Module):
         c, kinds = config, dtypes(config)
         self.causal, self.remat = causal, c.remat
         self.sliding_window = getattr(c, "sliding_window", None)
+        pattern = getattr(c, "attention_pattern", None)
+        self.attention_pattern = None if pattern is None else parse_spec(pattern)
         self.relative_bias = (RelativePositionBias(
             c.num_heads, bidirectional=not causal, num_buckets=c.t5_num_buckets,
             max_distance=c.t5_max_distance, param_dtype=kinds["param_dtype"], rngs=rngs)
@@ -117,7 +119,7 @@ class Stack(nnx.Module):
           positions: int [batch, seq] or [seq], true token positions (RoPE, ALiBi, T5 bias);
             ignored with a cache, whose step supplies them.
           mask: bool key mask broadcastable to [batch, heads, seq, seq] (padding), combined with
-            the causal mask and sliding window of the config.
+            the causal mask and the sliding window or attention pattern of the config.
           segment_ids: int [batch, seq] for packed sequences.
           context, context_mask: encoder output (or per-layer cross keys/values from
             `cross_keys_values`) and its mask for cross-attention.
@@ -130,6 +132,10 @@ class Stack(nnx.Module):
         Returns:
           hidden states, or (hidden states, updated cache layers) when a cache is given.
         """
+        if cache is not None and self.attention_pattern is not None:
+            raise ValueError("a model with an attention_pattern cannot decode with a KV cache or "
+                             "Transformer-XL memory, which hold no sparse pattern: call it on "
+                             "whole sequences (generation needs a dense or sliding-window model)")
         sparsity, is_causal = None, self.causal
         if cache_step is not None:
             positions, key_positions, is_causal = (cache_step.query_positions,
@@ -139,6 +145,8 @@ class Stack(nnx.Module):
         elif self.causal and self.sliding_window is not None:
             # A sliding window is itself causal (Mistral); otherwise plainly causal.
             sparsity, is_causal = SlidingWindow(self.sliding_window), False
+        elif self.causal and self.attention_pattern is not None:
+            sparsity = self.attention_pattern  # intersected with the causal mask (is_causal)
         bias = None
         if self.relative_bias is not None:
             bias = self.relative_bias(positions,

@@ -12,6 +12,9 @@ static arguments of `jax.jit`. Combine them with `|` (union) and `&` (intersecti
 
     SlidingWindow(4096) | GlobalTokens(2)          # Longformer-style local + global
     Causal() & (SlidingWindow(64) | RandomBlocks(64, 3))
+
+`parse_spec` reads a union from a short text, as configs hold it:
+`parse_spec("window:64|random:64,3") == SlidingWindow(64) | RandomBlocks(64, 3)`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import numpy as np
 from tfx.ops import _checks
 
 __all__ = [
+    "SPEC_GRAMMAR",
+    "SPEC_NAMES",
     "AfterPrefix",
     "Causal",
     "Fixed",
@@ -36,6 +41,7 @@ __all__ = [
     "SparsitySpec",
     "Strided",
     "Union",
+    "parse_spec",
 ]
 
 # block_layout evaluates the predicate on about this many (query, key) pairs at a time, so a
@@ -292,3 +298,60 @@ class Intersection(_Combination):
     """Elementwise AND of its parts (`a & b`): may attend where every part allows."""
 
     _combine = np.logical_and
+
+
+# The names of parse_spec's text form; a spec's arguments are its dataclass fields, in order.
+SPEC_NAMES: dict[str, type[SparsitySpec]] = {
+    "causal": Causal,
+    "window": SlidingWindow,
+    "strided": Strided,
+    "fixed": Fixed,
+    "global": GlobalTokens,
+    "random": RandomBlocks,
+}
+
+
+def _usage(name: str) -> str:
+    """`name:arg,arg` as the grammar writes it, optional arguments in brackets."""
+    args = "".join(f",{f.name}" if f.default is dataclasses.MISSING else f"[,{f.name}]"
+                   for f in dataclasses.fields(SPEC_NAMES[name]))
+    return f"{name}:{args[1:]}" if args else name
+
+
+SPEC_GRAMMAR = ("parts joined by '|' (their union), each one of "
+                + ", ".join(map(_usage, SPEC_NAMES)) + " (int arguments)")
+
+
+def parse_spec(text: str) -> SparsitySpec:
+    """A spec from its text form: parts joined by "|" (their union), each `name:arg,arg`.
+
+    Names and arguments (ints, in the order of the spec's fields; see SPEC_GRAMMAR): causal,
+    window:size, strided:stride, fixed:block,summary, global:n, random:block,num_random[,seed].
+    For example "window:256|global:16|random:64,2" is BigBird's pattern,
+    SlidingWindow(256) | GlobalTokens(16) | RandomBlocks(64, 2).
+
+    Raises:
+      TypeError: `text` is not a str.
+      ValueError: naming the bad part and giving the grammar.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"a sparsity spec text must be a str, got {type(text).__name__}")
+    parts = [_parse_part(part, text) for part in text.split("|")]
+    return parts[0] if len(parts) == 1 else Union(*parts)
+
+
+def _parse_part(part: str, text: str) -> SparsitySpec:
+    name, _, args = part.partition(":")
+    try:
+        cls = SPEC_NAMES.get(name.strip())
+        if cls is None:
+            raise ValueError(f"unknown name {name.strip()!r}")
+        values = [int(arg) for arg in args.split(",")] if args.strip() else []
+        fields = dataclasses.fields(cls)
+        required = sum(f.default is dataclasses.MISSING for f in fields)
+        if not required <= len(values) <= len(fields):
+            raise ValueError(f"got {len(values)} argument(s), expected {_usage(name.strip())}")
+        return cls(*values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"bad part {part!r} of sparsity spec {text!r}: {e}; "
+                         f"grammar: {SPEC_GRAMMAR}") from None
