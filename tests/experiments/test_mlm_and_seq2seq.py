@@ -1,0 +1,66 @@
+"""experiments/mlm_and_seq2seq.py in --smoke mode, so that it never rots: the three runs train,
+every checkpoint is measured, and the JSON holds the keys and numbers the table promises."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[2] / "experiments" / "mlm_and_seq2seq.py"
+SMOKE_STEPS = 2  # the script's smoke runs, checkpointed at every step
+
+
+def _rate(value) -> bool:
+    return 0.0 <= value <= 1.0
+
+
+@pytest.mark.slow
+def test_smoke_run_measures_every_checkpoint(tmp_path):
+    spec = importlib.util.spec_from_file_location("mlm_and_seq2seq", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "results.json"
+    script.main(["--smoke", "--json", str(out), "--workdir", str(tmp_path / "runs"),
+                 "--out", str(tmp_path / "results")])
+    results = json.loads(out.read_text())
+    assert set(results) == {"mlm", "reverse", "addition"}
+    steps = list(range(SMOKE_STEPS + 1))  # the initialisation, then every checkpoint
+
+    mlm = results["mlm"]
+    assert [step for step, _ in mlm["curve"]] == steps
+    assert [step for step, _ in mlm["loss_curve"]] == steps
+    assert all(_rate(accuracy) for _, accuracy in mlm["curve"])
+    assert mlm["final_masked_accuracy"] == mlm["curve"][-1][1]
+    assert 0 < mlm["val_loss"] == mlm["loss_curve"][-1][1]
+    # Byte-level text: the most frequent byte is one character, and holds more than a uniform
+    # share of the 256 byte values.
+    assert len(mlm["most_frequent_byte"]) == 1
+    assert 1 / 256 < mlm["chance_accuracy"] < 1
+
+    for part in ("reverse", "addition"):
+        r = results[part]
+        assert r["task"]["name"] == part
+        assert [p["step"] for p in r["checkpoints"]] == steps
+        assert r["curve"] == [[p["step"], p["token_accuracy"]] for p in r["checkpoints"]]
+        assert r["exact_match_curve"] == [[p["step"], p["exact_match"]]
+                                          for p in r["checkpoints"]]
+        final = r["checkpoints"][-1]
+        for key in ("exact_match", "exact_match_unseen", "token_accuracy",
+                    "teacher_forced_exact_match", "val_loss"):
+            assert r[key] == final[key]
+        for p in r["checkpoints"]:
+            assert p["val_loss"] > 0
+            for key in ("token_accuracy", "teacher_forced_exact_match", "exact_match"):
+                assert _rate(p[key])
+            assert p["exact_match_unseen"] is None or _rate(p["exact_match_unseen"])
+        assert r["held_out_examples"] == 32
+        assert _rate(r["held_out_seen_in_training"])
+        # An untrained model cannot produce a whole answer and its EOS.
+        assert r["checkpoints"][0]["exact_match"] == 0.0
+    for name in ("mlm_and_seq2seq.md", "mlm_and_seq2seq.png", "mlm_and_seq2seq.json"):
+        assert (tmp_path / "results" / name).stat().st_size > 0
+    table = (tmp_path / "results" / "mlm_and_seq2seq.md").read_text()
+    assert "most frequent byte" in table and "n/a: MLM predicts single masked bytes" in table
