@@ -4,30 +4,23 @@ and decodes, the JSON holds the keys the issue promises, and the KV-cache sizes 
 
 from __future__ import annotations
 
-import importlib.util
-import json
+import importlib
 import math
-from pathlib import Path
 
 import pytest
+from smoke_runs import smoke_run
 
-SCRIPT = Path(__file__).parents[2] / "experiments" / "attention_heads.py"
 KEYS = {"kv_heads", "val_loss", "kv_bytes_per_token", "decode_tokens_per_s", "params",
         "train_tokens_per_s"}
 
 
 @pytest.mark.slow
 def test_smoke_run_measures_every_variant(tmp_path):
-    spec = importlib.util.spec_from_file_location("attention_heads", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    out = tmp_path / "results.json"
-    script.main(["--smoke", "--json", str(out), "--workdir", str(tmp_path / "runs"),
-                 "--out", str(tmp_path / "results")])
-    results = json.loads(out.read_text())
+    results, _ = smoke_run("attention_heads", tmp_path)
     assert set(results) == {"mha", "gqa4", "gqa2", "mqa"}
     assert {name: r["kv_heads"] for name, r in results.items()} == {
         "mha": 8, "gqa4": 4, "gqa2": 2, "mqa": 1}
+    script = importlib.import_module("attention_heads")
     model = script.variant_experiment(1, steps=3, smoke=True).model
     head_dim = model.d_model // model.num_heads
     for r in results.values():
@@ -40,5 +33,3 @@ def test_smoke_run_measures_every_variant(tmp_path):
         removed = (results["mha"]["kv_heads"] - results[name]["kv_heads"]) * head_dim
         assert results["mha"]["params"] - results[name]["params"] == \
             2 * model.num_layers * model.d_model * removed
-    for name in ("attention_heads.md", "attention_heads.json", "attention_heads.png"):
-        assert (tmp_path / "results" / name).stat().st_size > 0

@@ -3,27 +3,18 @@ and the JSON holds the keys the issue promises with numbers that obey their defi
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
-from pathlib import Path
 
 import pytest
+from smoke_runs import smoke_run
 
-SCRIPT = Path(__file__).parents[2] / "experiments" / "moe_vs_dense.py"
 MODELS = ("dense", "moe_k1", "moe_k2")
 FACTORS = ("1.0", "1.25", "2.0")
 
 
 @pytest.mark.slow
 def test_smoke_run_compares_dense_and_moe(tmp_path):
-    spec = importlib.util.spec_from_file_location("moe_vs_dense", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    out = tmp_path / "results.json"
-    script.main(["--smoke", "--json", str(out), "--workdir", str(tmp_path / "runs"),
-                 "--out", str(tmp_path / "results")])
-    results = json.loads(out.read_text())
+    results, _ = smoke_run("moe_vs_dense", tmp_path)
 
     assert set(results) == {*MODELS, "dropped_fraction"}
     for name in MODELS:
@@ -51,5 +42,3 @@ def test_smoke_run_compares_dense_and_moe(tmp_path):
         for cf, dropped in zip(FACTORS, drops, strict=True):
             if dropped == 0.0:  # nothing dropped: the same computation as dropless
                 assert r["val_loss_at_capacity"][cf] == pytest.approx(r["val_loss"], rel=1e-5)
-    for name in ("moe_vs_dense.md", "moe_vs_dense.png", "moe_vs_dense.json"):
-        assert (tmp_path / "results" / name).stat().st_size > 0

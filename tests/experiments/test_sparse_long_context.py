@@ -3,28 +3,19 @@ trains, and the JSON holds the keys and numbers the table promises."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
+import importlib
 import math
-from pathlib import Path
 
 import pytest
+from smoke_runs import smoke_run
 
-SCRIPT = Path(__file__).parents[2] / "experiments" / "sparse_long_context.py"
 PATTERNS = {"dense", "sliding_window", "strided", "bigbird"}
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("sparse_long_context", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
 
 
 def test_patterns_keep_a_similar_small_fraction_at_the_full_context():
     """At the default context every sparse pattern keeps 10-15% of the causal pairs, so that
     their losses and times compare at about equal sparsity."""
-    script = _load()
+    script = importlib.import_module("sparse_long_context")
     facts = {name: script.mask_facts(script.experiment(2048, 10, False).model, text, 2048)
              for name, text in script.patterns(2048).items()}
     assert facts["dense"]["attended_fraction"] == 1.0
@@ -38,10 +29,7 @@ def test_patterns_keep_a_similar_small_fraction_at_the_full_context():
 
 @pytest.mark.slow
 def test_smoke_run_writes_every_pattern(tmp_path):
-    out = tmp_path / "results.json"
-    _load().main(["--smoke", "--json", str(out), "--workdir", str(tmp_path / "runs"),
-                  "--out", str(tmp_path / "results")])
-    results = json.loads(out.read_text())
+    results, folder = smoke_run("sparse_long_context", tmp_path)
     assert set(results) == PATTERNS
     for name, r in results.items():
         assert {"val_loss", "step_seconds", "attended_fraction", "spec"} <= set(r)
@@ -53,7 +41,6 @@ def test_smoke_run_writes_every_pattern(tmp_path):
     assert results["dense"]["attended_fraction"] == 1.0
     assert results["sliding_window"]["attended_fraction"] < 0.5
     assert "|" in results["bigbird"]["spec"]
-    table = (tmp_path / "results" / "sparse_long_context.md").read_text()
+    table = (folder / "sparse_long_context.md").read_text()
     assert table.count("\n| ") == 1 + len(PATTERNS)  # header and one row per pattern
     assert "\\|global:" in table  # the union's bars are escaped, not cell separators
-    assert (tmp_path / "results" / "sparse_long_context.png").stat().st_size > 0
