@@ -7,6 +7,7 @@ overrides change fields (`--model.num_layers=4`).
   a few minutes on 2 CPU cores.
 - bert_mlm: a small BERT pretrained with masked LM on the same bytes.
 - seq2seq_reverse: a small encoder–decoder learning to reverse strings.
+- seq2seq_addition: the same encoder–decoder learning to add numbers of 2 to 8 digits.
 - moe_gpt: gpt_char with a mixture of 8 experts (top-2, dropless) in every layer, the same
   active parameters per token, and the load-balancing and router z losses in the loss.
 - posenc_<kind>: gpt_char at context 128 with each positional encoding, for comparisons on equal
@@ -58,6 +59,11 @@ _SEQ2SEQ_REVERSE = Experiment(
     label_smoothing=0.1)
 
 
+_SEQ2SEQ_ADDITION = dataclasses.replace(
+    _SEQ2SEQ_REVERSE, name="seq2seq_addition", data=DataConfig(task="addition", min_len=2,
+                                                               max_len=8),
+    train=dataclasses.replace(_SEQ2SEQ_REVERSE.train, steps=800))
+
 _MOE_GPT = dataclasses.replace(_GPT_CHAR, name="moe_gpt", model=PRESETS["char-moe"])
 
 
@@ -69,7 +75,7 @@ def _posenc(position: str) -> Experiment:
 
 
 EXPERIMENTS: dict[str, Experiment] = {
-    e.name: e for e in (_GPT_CHAR, _MOE_GPT, _BERT_MLM, _SEQ2SEQ_REVERSE,
+    e.name: e for e in (_GPT_CHAR, _MOE_GPT, _BERT_MLM, _SEQ2SEQ_REVERSE, _SEQ2SEQ_ADDITION,
                         *(_posenc(p) for p in POSITIONS))}
 
 
