@@ -93,6 +93,23 @@ def test_one_hot_embedding_equals_gather():
     np.testing.assert_allclose(gather(ids)[0, 1], gather.table[...][7])
 
 
+def test_scaled_embeddings_are_the_table_times_sqrt_d_model_plus_sinusoids():
+    # Vaswani et al. 2017, 3.4: embeddings multiplied by sqrt(d_model), then sinusoids added.
+    config = DecoderConfig(vocab_size=40, d_model=16, num_layers=1, num_heads=2, d_ff=32,
+                           position="sinusoidal", scale_embeddings=True)
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    ids = jnp.array([[3, 0, 39, 3, 7]])
+    position = np.arange(5)[:, None]
+    angle = position / 10000 ** (np.arange(0, 16, 2) / 16)
+    sinusoids = np.zeros((5, 16))
+    sinusoids[:, 0::2], sinusoids[:, 1::2] = np.sin(angle), np.cos(angle)
+    table = np.asarray(model.embeddings.tokens.table[...])
+    chex.assert_trees_all_close(model.embeddings(ids, jnp.arange(5))[0],
+                                table[ids[0]] * 4.0 + sinusoids, atol=1e-5)
+    with pytest.raises(TypeError, match="scale_embeddings must be a bool"):
+        config.replace(scale_embeddings=1)
+
+
 @pytest.mark.parametrize("activation,gated,reference", [
     ("gelu", False, lambda x: 0.5 * x * (1 + jax.scipy.special.erf(x / np.sqrt(2)))),
     ("gelu_tanh", False,

@@ -34,21 +34,26 @@ def test_loop_settings_are_not_part_of_a_runs_identity():
     assert run_identity(longer) != run_identity(e)  # the schedule depends on steps
 
 
-def test_a_default_attention_pattern_is_not_part_of_a_runs_identity():
-    # Runs stored before DecoderConfig.attention_pattern existed keep their identity.
+@pytest.mark.parametrize(("field", "value"), [("attention_pattern", "window:8"),
+                                              ("scale_embeddings", True)])
+def test_model_fields_at_their_default_are_not_part_of_a_runs_identity(field, value):
+    # Runs stored before these fields existed keep their identity (and resume).
     e = get_experiment("gpt_char")
-    assert "attention_pattern" not in run_identity(e)["model"]
-    patterned = dataclasses.replace(e, model=e.model.replace(attention_pattern="window:8"))
-    assert run_identity(patterned)["model"]["attention_pattern"] == "window:8"
+    assert field not in run_identity(e)["model"]
+    changed = dataclasses.replace(e, model=e.model.replace(**{field: value}))
+    assert run_identity(changed)["model"][field] == value
 
 
 def test_every_position_has_an_equal_footing_experiment():
     names = [n for n in EXPERIMENTS if n.startswith("posenc_")]
     assert {EXPERIMENTS[n].model.position for n in names} == {
         "learned", "sinusoidal", "rope", "alibi", "t5", "xl", "none"}
+    # The same model but for the encoding (and the embedding scale sinusoids come with).
     reference = dataclasses.replace(EXPERIMENTS[names[0]].model, position="rope")
     for n in names:
-        assert dataclasses.replace(EXPERIMENTS[n].model, position="rope") == reference
+        model = EXPERIMENTS[n].model
+        assert model.scale_embeddings == (model.position == "sinusoidal")
+        assert dataclasses.replace(model, position="rope", scale_embeddings=False) == reference
         assert EXPERIMENTS[n].train == EXPERIMENTS[names[0]].train
 
 

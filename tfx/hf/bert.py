@@ -102,6 +102,7 @@ def config_to_hf(config: EncoderConfig, architecture: str) -> dict:
         "gated_mlp": (c.gated_mlp, False), "num_kv_heads": (c.kv_heads, c.num_heads),
         "head_dim": (c.head_dim or c.d_model // c.num_heads, c.d_model // c.num_heads),
         "attention_scale": (c.attention_scale, None),
+        "scale_embeddings": (c.scale_embeddings, False),
     }
     for field, (value, bert) in unsupported.items():
         if value != bert:

@@ -24,7 +24,7 @@ _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 # What every GPT-2 is, in tfx terms (checked again on export).
 _FIXED = dict(position="learned", norm="layer", pre_norm=True, use_bias=True, gated_mlp=False,
               num_kv_heads=None, head_dim=None, attention_scale=None, sliding_window=None,
-              attention_pattern=None)
+              attention_pattern=None, scale_embeddings=False)
 # GPT2Config's defaults, for config.json files that leave a field out (old hub checkpoints do).
 _DEFAULTS = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
                  n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,

@@ -32,7 +32,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
 # What every LLaMA / Mistral is, in tfx terms (checked again on export).
 _FIXED = dict(position="rope", rope_layout="half", rope_fraction=1.0, norm="rms", pre_norm=True,
               gated_mlp=True, activation="silu", attention_scale=None,
-              attention_pattern=None)
+              attention_pattern=None, scale_embeddings=False)
 # The config classes' defaults, for config.json files that leave a field out.
 _COMMON = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                head_dim=None, hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False)

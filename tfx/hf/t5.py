@@ -90,7 +90,7 @@ def config_to_hf(config: EncoderDecoderConfig, architecture: str) -> dict:
         raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
     c = config
     required = dict(position="t5", norm="rms", pre_norm=True, use_bias=False,
-                    attention_scale=1.0)
+                    attention_scale=1.0, scale_embeddings=False)
     for name, value in required.items():
         if getattr(c, name) != value:
             raise ValueError(f"T5 needs {name}={value!r}, the config has {getattr(c, name)!r}")

@@ -77,6 +77,10 @@ class TransformerConfig:
     attention_scale: float | None = None  # None: 1/sqrt(head_dim); T5: 1.0
     dropout: float = 0.0
     tie_embeddings: bool = True
+    # Multiply token embeddings by sqrt(d_model), as Vaswani et al. 2017 do: with small
+    # embeddings (std 0.02) and sinusoidal positions of magnitude 1, the positions would
+    # otherwise drown which token it is.
+    scale_embeddings: bool = False
     implementation: str | None = None  # attention kernel, see tfx.ops.dot_product_attention
     # Compute dtype, e.g. "bfloat16". None: the platform's default (`compute_dtype`): bfloat16
     # on GPU/TPU, float32 on CPU. Parameters stay in param_dtype either way.
@@ -119,6 +123,9 @@ class TransformerConfig:
         _one_of("implementation", self.implementation, (None, *IMPLEMENTATIONS))
         _one_of("dtype", self.dtype, COMPUTE_DTYPES)
         _one_of("param_dtype", self.param_dtype, ("float32", "bfloat16", "float16"))
+        if not isinstance(self.scale_embeddings, bool):
+            raise TypeError(f"scale_embeddings must be a bool, got "
+                            f"{type(self.scale_embeddings).__name__}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not self.norm_eps > 0:

@@ -48,7 +48,8 @@ PRESETS = {
     "transformer-base": EncoderDecoderConfig(vocab_size=37000, d_model=512, num_layers=6,
                                              num_heads=8, d_ff=2048, position="sinusoidal",
                                              norm="layer", norm_eps=1e-6, pre_norm=False,
-                                             activation="relu", dropout=0.1),
+                                             activation="relu", dropout=0.1,
+                                             scale_embeddings=True),
 }
 
 _MODELS = {DecoderConfig: Decoder, EncoderConfig: Encoder, EncoderDecoderConfig: EncoderDecoder}

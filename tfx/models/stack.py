@@ -21,6 +21,7 @@ __all__ = ["Embeddings", "Stack"]
 class Embeddings(nnx.Module):
     """Token embedding, plus absolute positions and token types where the config has them.
 
+    Token embeddings are multiplied by sqrt(d_model) with `scale_embeddings` (Vaswani et al.).
     Post-norm models (BERT) normalise the sum, as BERT does; dropout follows.
     """
 
@@ -28,6 +29,7 @@ class Embeddings(nnx.Module):
                  rngs: nnx.Rngs):
         c, kinds = config, dtypes(config)
         self.tokens = tokens or TokenEmbedding(c.vocab_size, c.d_model, rngs=rngs, **kinds)
+        self.token_scale = c.d_model ** 0.5 if c.scale_embeddings else None
         positions = None
         if c.position == "learned":
             positions = LearnedPositions(c.max_len, c.d_model, rngs=rngs, **kinds)
@@ -50,6 +52,8 @@ class Embeddings(nnx.Module):
           `token_type_ids` then cover G + seq); the output is [batch, G + seq, d_model].
         """
         x = self.tokens(input_ids)
+        if self.token_scale is not None:
+            x = x * jnp.asarray(self.token_scale, x.dtype)
         if prompt is not None:
             x = jnp.concatenate([prompt.astype(x.dtype), x], axis=1)
         if self.positions is not None:

@@ -200,9 +200,9 @@ class Experiment:
 
 # Loop settings that may change between a run and its resumption (they don't change the result).
 LOOP_ONLY = ("log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints")
-# Model fields added after runs were stored: left out of a run's identity at their default
-# (None), so that those runs keep their identity and resume.
-ADDED_MODEL_FIELDS = ("attention_pattern",)
+# Model fields added after runs were stored, with their defaults: left out of a run's identity
+# at their default, so that those runs keep their identity and resume.
+ADDED_MODEL_FIELDS = {"attention_pattern": None, "scale_embeddings": False}
 
 
 def run_identity(experiment: Experiment) -> dict:
@@ -217,8 +217,8 @@ def run_identity(experiment: Experiment) -> dict:
         identity.pop("peft")
     if experiment.train.init_from is None:
         identity["train"].pop("init_from")
-    for name in ADDED_MODEL_FIELDS:
-        if identity["model"].get(name, "") is None:
+    for name, default in ADDED_MODEL_FIELDS.items():
+        if name in identity["model"] and identity["model"][name] == default:
             identity["model"].pop(name)
     return identity
 

@@ -11,7 +11,8 @@ overrides change fields (`--model.num_layers=4`).
 - moe_gpt: gpt_char with a mixture of 8 experts (top-2, dropless) in every layer, the same
   active parameters per token, and the load-balancing and router z losses in the loss.
 - posenc_<kind>: gpt_char at context 128 with each positional encoding, for comparisons on equal
-  footing (learned, sinusoidal, rope, t5, xl, alibi, none).
+  footing (learned, sinusoidal, rope, t5, xl, alibi, none); sinusoidal positions with token
+  embeddings scaled by sqrt(d_model), as Vaswani et al. do.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ _SEQ2SEQ_REVERSE = Experiment(
     model=EncoderDecoderConfig(vocab_size=256 + len(SEQ2SEQ_SPECIALS), d_model=128,
                                num_layers=2, num_heads=4, d_ff=512, max_len=64,
                                position="sinusoidal", norm="layer", norm_eps=1e-6,
-                               activation="relu", decoder_start_token_id=257),
+                               activation="relu", decoder_start_token_id=257,
+                               scale_embeddings=True),
     data=DataConfig(task="reverse", min_len=4, max_len=16),
     train=TrainConfig(steps=600, batch_size=64, seq_len=32, eval_every=200,
                       checkpoint_every=200),
@@ -68,9 +70,11 @@ _MOE_GPT = dataclasses.replace(_GPT_CHAR, name="moe_gpt", model=PRESETS["char-mo
 
 
 def _posenc(position: str) -> Experiment:
+    # Sinusoidal positions come with embeddings scaled by sqrt(d_model), as in Vaswani et al.
+    model = PRESETS["char-gpt"].replace(position=position, max_len=1024,
+                                        scale_embeddings=position == "sinusoidal")
     return dataclasses.replace(
-        _GPT_CHAR, name=f"posenc_{position}",
-        model=PRESETS["char-gpt"].replace(position=position, max_len=1024),
+        _GPT_CHAR, name=f"posenc_{position}", model=model,
         train=dataclasses.replace(_GPT_CHAR.train, seq_len=128, batch_size=32))
 
 

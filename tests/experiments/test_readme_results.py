@@ -1,0 +1,60 @@
+"""The README's experiments section quotes only measured numbers: every decimal number in the
+paragraph of an experiment (the text that links experiments/results/NAME.md) is one of the
+numbers in the committed experiments/results/NAME.json, rounded as written (a percentage as
+100 x the number). A result that is rerun and changes then fails here until the README follows.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+RESULTS = ROOT / "experiments" / "results"
+NUMBER = re.compile(r"(?<![\w.])(\d+\.\d+)(%?)")
+LINK = re.compile(r"experiments/results/(\w+)\.md")
+
+
+def experiments_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("\n## Experiments\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else None]
+
+
+def paragraphs() -> list[tuple[str, str]]:
+    """(results name, paragraph) for every paragraph of the section that links one result."""
+    found = []
+    for paragraph in experiments_section().split("\n\n"):
+        names = set(LINK.findall(paragraph))
+        if len(names) == 1:
+            found.append((names.pop(), paragraph))
+    return found
+
+
+def numbers_in(tree) -> list[float]:
+    if isinstance(tree, dict):
+        return [x for value in tree.values() for x in numbers_in(value)]
+    if isinstance(tree, list):
+        return [x for value in tree for x in numbers_in(value)]
+    return [float(tree)] if isinstance(tree, int | float) and not isinstance(tree, bool) else []
+
+
+def test_every_published_result_is_quoted():
+    quoted = {name for name, _ in paragraphs()}
+    published = {path.stem for path in RESULTS.glob("*.json")}
+    assert published <= quoted, f"results without a README paragraph: {published - quoted}"
+
+
+@pytest.mark.parametrize(("name", "paragraph"), paragraphs(), ids=lambda x: x[:30])
+def test_quoted_numbers_are_in_the_results(name, paragraph):
+    measured = numbers_in(json.loads((RESULTS / f"{name}.json").read_text())["results"])
+    for text, percent in NUMBER.findall(paragraph):
+        decimals = len(text.split(".")[1])
+        value = float(text) / (100 if percent else 1)
+        tolerance = 0.5 * 10 ** -decimals / (100 if percent else 1) + 1e-12
+        assert any(abs(m - value) <= tolerance for m in measured), (
+            f"{text}{percent} in the README's {name} paragraph is not in {name}.json")
