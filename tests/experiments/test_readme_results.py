@@ -1,7 +1,7 @@
 """The README's experiments section quotes only measured numbers: every decimal number in the
-paragraph of an experiment (the text that links experiments/results/NAME.md) is one of the
-numbers in the committed experiments/results/NAME.json, rounded as written (a percentage as
-100 x the number). A result that is rerun and changes then fails here until the README follows.
+paragraph of an experiment (the text that links experiments/results/NAME.md), and every whole
+number written with thousands separators (2,503), is one of the numbers in the committed
+experiments/results/NAME.json, rounded as written (a percentage as 100 x the number). A result that is rerun and changes then fails here until the README follows.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).parents[2]
 RESULTS = ROOT / "experiments" / "results"
-NUMBER = re.compile(r"(?<![\w.])(\d+\.\d+)(%?)")
+NUMBER = re.compile(r"(?<![\w.,])(\d{1,3}(?:,\d{3})+|\d+\.\d+)(%?)")
 LINK = re.compile(r"experiments/results/(\w+)\.md")
 
 
@@ -53,8 +53,8 @@ def test_every_published_result_is_quoted():
 def test_quoted_numbers_are_in_the_results(name, paragraph):
     measured = numbers_in(json.loads((RESULTS / f"{name}.json").read_text())["results"])
     for text, percent in NUMBER.findall(paragraph):
-        decimals = len(text.split(".")[1])
-        value = float(text) / (100 if percent else 1)
+        decimals = len(text.split(".")[1]) if "." in text else 0
+        value = float(text.replace(",", "")) / (100 if percent else 1)
         tolerance = 0.5 * 10 ** -decimals / (100 if percent else 1) + 1e-12
         assert any(abs(m - value) <= tolerance for m in measured), (
             f"{text}{percent} in the README's {name} paragraph is not in {name}.json")
