@@ -1,7 +1,8 @@
 """The README's experiments section quotes only measured numbers: every decimal number in the
 paragraph of an experiment (the text that links experiments/results/NAME.md), and every whole
 number written with thousands separators (2,503), is one of the numbers in the committed
-experiments/results/NAME.json, rounded as written (a percentage as 100 x the number). A result that is rerun and changes then fails here until the README follows.
+experiments/results/NAME.json, rounded as written (a percentage as 100 x the number). A
+result that is rerun and changes then fails here until the README follows.
 """
 
 from __future__ import annotations
