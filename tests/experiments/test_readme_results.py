@@ -37,8 +37,10 @@ def paragraphs() -> list[tuple[str, str]]:
 
 
 def numbers_in(tree) -> list[float]:
+    """Every number in a JSON tree, numeric keys ({"1.25": ...}: capacity factors) included."""
     if isinstance(tree, dict):
-        return [x for value in tree.values() for x in numbers_in(value)]
+        keys = [float(k) for k in tree if re.fullmatch(r"\d+(\.\d+)?", k)]
+        return keys + [x for value in tree.values() for x in numbers_in(value)]
     if isinstance(tree, list):
         return [x for value in tree for x in numbers_in(value)]
     return [float(tree)] if isinstance(tree, int | float) and not isinstance(tree, bool) else []
