@@ -1,18 +1,30 @@
-"""Argument checks shared by `generate` and `beam_search`, run before anything compiles."""
+"""Argument checks shared by `generate` and `beam_search`, run on the host before anything
+compiles (so a bad value never reaches the compiled loop, and checks add no recompiles).
+
+Numbers may be Python or numpy scalars (np.float32(0.5), np.int64(3)); NaN and infinities are
+refused, as are bools where a number is expected.
+"""
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import numpy as np
 
-__all__ = ["prompt_and_mask", "token_ids"]
+from tfx.models import checks
+from tfx.models.config import TransformerConfig
+
+__all__ = ["integer", "prompt_and_mask", "real", "source_fits", "token_ids"]
 
 
-def prompt_and_mask(input_ids, attention_mask) -> tuple[np.ndarray, np.ndarray]:
-    """int [batch, length >= 1] ids and their bool mask (all True when None), on the host."""
+def prompt_and_mask(input_ids, attention_mask,
+                    vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """int [batch >= 1, length >= 1] ids in [0, vocab_size) (an array or nested lists) and
+    their bool mask (all True when None), on the host. Padding ids are checked too: the model
+    embeds them before the mask hides them."""
     ids = np.asarray(input_ids)
-    if ids.ndim != 2 or ids.shape[1] < 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"input_ids must be int [batch, length >= 1], got {ids.dtype} "
-                         f"{ids.shape}")
+    checks.token_ids("input_ids", ids, vocab_size)
     if attention_mask is None:
         return ids, np.ones(ids.shape, bool)
     mask = np.asarray(attention_mask)
@@ -25,10 +37,39 @@ def prompt_and_mask(input_ids, attention_mask) -> tuple[np.ndarray, np.ndarray]:
     return ids, mask
 
 
+def source_fits(config: TransformerConfig, source_len: int) -> None:
+    """An encoder–decoder's source must fit a learned position table."""
+    if config.position == "learned" and source_len > config.max_len:
+        raise ValueError(f"input_ids has {source_len} tokens, more than the model's learned "
+                         f"position table holds (config.max_len = {config.max_len})")
+
+
 def token_ids(name: str, value, vocab_size: int) -> list[int]:
     """Token id(s) as a list of ints in [0, vocab_size) (None: empty)."""
     values = [] if value is None else [value] if np.isscalar(value) else list(value)
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, int | np.integer) or not 0 <= v < vocab_size:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v < vocab_size:
             raise ValueError(f"{name} must be token ids in [0, {vocab_size}), got {value!r}")
     return [int(v) for v in values]
+
+
+def integer(name: str, value, *, minimum: int = 1) -> int:
+    """A Python or numpy int >= minimum, as an int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def real(name: str, value, *, low: float = -math.inf, high: float = math.inf,
+         open_low: bool = False, hint: str = "") -> float:
+    """A finite Python or numpy real number in [low, high] ((low, high] with open_low), as a
+    float; `hint` ends the message."""
+    finite = (not isinstance(value, bool) and isinstance(value, numbers.Real)
+              and math.isfinite(value))
+    if not (finite and (value > low if open_low else value >= low) and value <= high):
+        if high < math.inf:
+            bounds = f" in {'(' if open_low else '['}{low:g}, {high:g}]"
+        else:
+            bounds = "" if low == -math.inf else f" {'>' if open_low else '>='} {low:g}"
+        raise ValueError(f"{name} must be a finite number{bounds}{hint}, got {value!r}")
+    return float(value)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tfx.generation._inputs import prompt_and_mask, token_ids
+from tfx.generation._inputs import integer, prompt_and_mask, real, source_fits, token_ids
 from tfx.models.encoder_decoder import EncoderDecoder
 
 __all__ = ["beam_search"]
@@ -52,10 +52,11 @@ def beam_search(model: EncoderDecoder, input_ids, *, num_beams: int, max_new_tok
 
     Args:
       model: a `tfx.models.EncoderDecoder` (T5).
-      input_ids: int [batch, src_len], the sources.
+      input_ids: int [batch, src_len] (an array or nested lists), the sources: ids in
+        [0, vocab_size), batch and src_len >= 1, src_len within a learned position table.
       num_beams: beams per source, >= 1.
       max_new_tokens: tokens to generate after the decoder start token, >= 1.
-      length_penalty: exponent of the length that divides a finished hypothesis' summed
+      length_penalty: finite exponent of the length that divides a finished hypothesis' summed
         log-probability (> 0 favours longer sequences, 0 compares raw sums).
       early_stopping: False (transformers' default heuristic), True (stop a source as soon as
         it has num_beams finished hypotheses) or "never" (see the module docstring).
@@ -69,23 +70,25 @@ def beam_search(model: EncoderDecoder, input_ids, *, num_beams: int, max_new_tok
       int32 [batch * num_return_sequences, 1 + max_new_tokens]: the decoder start token, then
       the tokens, best hypothesis first within each source; with return_scores also float32
       [batch * num_return_sequences] scores (transformers' `sequences_scores`).
+    Raises:
+      ValueError, before anything compiles, for an argument out of range (numbers may be Python
+      or numpy scalars; NaN and infinities are refused).
     """
     if not isinstance(model, EncoderDecoder):
         raise TypeError(f"beam_search needs an encoder-decoder model (tfx EncoderDecoder), got "
                         f"{type(model).__name__}; decoder-only beam search is not implemented")
-    ids, mask = prompt_and_mask(input_ids, attention_mask)
-    for name, value in (("num_beams", num_beams), ("max_new_tokens", max_new_tokens),
-                        ("num_return_sequences", num_return_sequences)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    config = model.config
+    ids, mask = prompt_and_mask(input_ids, attention_mask, config.vocab_size)
+    source_fits(config, ids.shape[1])
+    num_beams = integer("num_beams", num_beams)
+    max_new_tokens = integer("max_new_tokens", max_new_tokens)
+    num_return_sequences = integer("num_return_sequences", num_return_sequences)
     if num_return_sequences > num_beams:
         raise ValueError(f"num_return_sequences ({num_return_sequences}) must be <= num_beams "
                          f"({num_beams})")
-    if isinstance(length_penalty, bool) or not isinstance(length_penalty, int | float):
-        raise ValueError(f"length_penalty must be a float, got {length_penalty!r}")
-    if not (isinstance(early_stopping, bool) or early_stopping == "never"):
+    length_penalty = real("length_penalty", length_penalty)
+    if not (isinstance(early_stopping, bool | np.bool_) or early_stopping == "never"):
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
-    config = model.config
     eos = token_ids("eos_token_id", eos_token_id, config.vocab_size)
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0

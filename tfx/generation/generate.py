@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tfx.generation._inputs import prompt_and_mask, token_ids
+from tfx.generation._inputs import integer, prompt_and_mask, real, source_fits, token_ids
 from tfx.models.decoder import Decoder
 from tfx.models.encoder_decoder import EncoderDecoder
 from tfx.ops.sampling import sample_logits
@@ -43,10 +43,11 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
 
     Args:
       model: a `tfx.models.Decoder` (GPT-2, LLaMA, Mistral...) or `EncoderDecoder` (T5).
-      input_ids: int [batch, prompt_len]: the prompts (decoders) or the source (encoder–decoders).
-      max_new_tokens: tokens to generate per sequence.
-      temperature: 0.0 is greedy; > 0 samples from softmax(logits / temperature).
-      top_k: keep the k most likely tokens (int >= 1), or None.
+      input_ids: int [batch, prompt_len] (an array or nested lists), ids in [0, vocab_size),
+        batch and prompt_len >= 1: the prompts (decoders) or the source (encoder–decoders).
+      max_new_tokens: tokens to generate per sequence (int >= 1).
+      temperature: 0.0 is greedy; > 0 (finite) samples from softmax(logits / temperature).
+      top_k: keep the k most likely tokens (int >= 1; k >= vocab_size keeps all), or None.
       top_p: nucleus sampling: keep the most likely tokens whose probability reaches top_p, in
         (0, 1], or None.
       rng: a jax.random key, required when temperature > 0.
@@ -58,14 +59,19 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
     Returns:
       int32 [batch, prompt_len + max_new_tokens] for decoders (prompt, then new tokens), or
       [batch, 1 + max_new_tokens] for encoder–decoders (decoder start token, then new tokens).
+    Raises:
+      ValueError, before anything compiles, for an argument out of range (numbers may be Python
+      or numpy scalars; NaN and infinities are refused), or a prompt + max_new_tokens longer
+      than the model's max_len (its learned positions or its cache).
     """
     if not isinstance(model, Decoder | EncoderDecoder):
         raise TypeError(f"model must be a tfx Decoder or EncoderDecoder, got "
                         f"{type(model).__name__}")
-    ids, mask = prompt_and_mask(input_ids, attention_mask)
     config = model.config
+    ids, mask = prompt_and_mask(input_ids, attention_mask, config.vocab_size)
     seq2seq = isinstance(model, EncoderDecoder)
-    filters = _check_sampling(max_new_tokens, temperature, top_k, top_p, rng)
+    max_new_tokens = integer("max_new_tokens", max_new_tokens)
+    filters = _check_sampling(temperature, top_k, top_p, rng)
     eos = token_ids("eos_token_id", eos_token_id, config.vocab_size)
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
@@ -73,9 +79,7 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
     prompt_len = ids.shape[1]
     if seq2seq:
         needed, cap = 1 + max_new_tokens, config.max_len
-        if config.position == "learned" and prompt_len > config.max_len:
-            raise ValueError(f"input_ids has {prompt_len} tokens, more than the model's max_len "
-                             f"({config.max_len})")
+        source_fits(config, prompt_len)
     else:
         needed = int(mask.sum(axis=1).max()) + max_new_tokens
         cap = config.max_len - max_new_tokens
@@ -160,18 +164,13 @@ def _left_aligned(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.nda
     return np.take_along_axis(ids, order, axis=1), np.take_along_axis(mask, order, axis=1)
 
 
-def _check_sampling(max_new_tokens, temperature, top_k, top_p, rng) -> dict:
+def _check_sampling(temperature, top_k, top_p, rng) -> dict:
     """Validate the sampling arguments; returns the filters as traced values (None = off)."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) \
-            or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not isinstance(temperature, int | float) or temperature < 0:
-        raise ValueError(f"temperature must be a float >= 0 (0 is greedy), got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int | np.integer)
-                              or top_k < 1):
-        raise ValueError(f"top_k must be an int >= 1 or None, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, int | float) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    temperature = real("temperature", temperature, low=0.0, hint=" (0 is greedy)")
+    if top_k is not None:
+        top_k = integer("top_k", top_k)
+    if top_p is not None:
+        top_p = real("top_p", top_p, low=0.0, high=1.0, open_low=True, hint=" or None")
     if temperature > 0 and rng is None:
         raise ValueError("rng must be a jax.random key when temperature > 0 "
                          "(temperature=0.0 decodes greedily)")

@@ -1,6 +1,8 @@
 """Models built from configs: Encoder (BERT), Decoder (GPT-2 / LLaMA / Mistral) and
-EncoderDecoder (T5 / original Transformer), with named presets."""
+EncoderDecoder (T5 / original Transformer), with named presets; `checked` compiles a function
+with the models' value checks on (see tfx.models.checks)."""
 
+from tfx.models.checks import checked
 from tfx.models.config import DecoderConfig, EncoderConfig, EncoderDecoderConfig, TransformerConfig
 from tfx.models.decoder import Decoder
 from tfx.models.encoder import Encoder, token_types_from_separators
@@ -9,5 +11,5 @@ from tfx.models.moe_losses import aux_loss, moe_losses
 from tfx.models.presets import PRESETS, create
 
 __all__ = ["PRESETS", "Decoder", "DecoderConfig", "Encoder", "EncoderConfig", "EncoderDecoder",
-           "EncoderDecoderConfig", "TransformerConfig", "aux_loss", "create", "moe_losses",
-           "token_types_from_separators"]
+           "EncoderDecoderConfig", "TransformerConfig", "aux_loss", "checked", "create",
+           "moe_losses", "token_types_from_separators"]

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfx.models import checks
 from tfx.models.block import dtypes
 from tfx.models.config import DecoderConfig
 from tfx.models.prompting import prompt_inputs
@@ -42,15 +43,21 @@ class Decoder(nnx.Module):
         """Next-token logits.
 
         Args:
-          input_ids: int [batch, seq].
+          input_ids: int [batch, seq], a jax or numpy array (not a list) of ids in
+            [0, vocab_size), batch and seq >= 1.
           attention_mask: optional [batch, seq], 1/True for real tokens, 0/False for padding.
-          position_ids: optional int [batch, seq] (default 0 .. seq - 1).
+          position_ids: optional int [batch, seq] (default 0 .. seq - 1); within the learned
+            table (< max_len) for position="learned".
           segment_ids: optional int [batch, seq] for packed sequences.
           cache: from `init_cache`: a KVCache (the tokens continue each sequence at its own next
             position; padding, marked by attention_mask, takes no position), or for
             position="xl" a SegmentMemory (the tokens follow the memory; pad on the left).
+            A linear KVCache must have room for the tokens (a ring buffer always has).
         Returns:
           float32 [batch, seq, vocab_size]; with a cache, also the updated cache.
+        Raises:
+          ValueError for ids, positions or cache room out of range: always on concrete arrays,
+          and under jit in checked mode (`tfx.models.checked`); see `tfx.models.checks`.
         """
         hidden = self.hidden_states(input_ids, attention_mask=attention_mask,
                                     position_ids=position_ids, segment_ids=segment_ids,
@@ -65,30 +72,33 @@ class Decoder(nnx.Module):
         """[batch, seq] -> the final-normalised hidden states [batch, seq, d_model] (and the
         updated cache when one is given). A soft prompt runs before the tokens and its positions
         are dropped (with a cache, `init_cache` has run it already)."""
-        _check_ids(input_ids)
+        checks.token_ids("input_ids", input_ids, self.config.vocab_size)
         if cache is not None:
             if position_ids is not None or segment_ids is not None:
                 raise ValueError("with a cache, positions come from the cache: position_ids and "
                                  "segment_ids must be None")
             valid = (jnp.ones(input_ids.shape, bool) if attention_mask is None
                      else attention_mask.astype(bool))
-            if isinstance(cache, SegmentMemory):
+            if isinstance(cache, SegmentMemory):  # a memory of the last tokens: no limit
                 mask, memory_valid = cache.mask(valid)
                 positions = jnp.arange(input_ids.shape[1])  # unused: XL has only distances
                 x, hidden = self.stack(self.embeddings(input_ids, positions),
                                        positions=positions, mask=mask, cache=cache.hidden,
                                        token_mask=valid)
                 return x, SegmentMemory(hidden=hidden, valid=memory_valid)
+            checks.cache_room("input_ids", cache, valid, self.config)
             return self._cached(input_ids, valid, cache)
+        skip = 0 if self.prompt is None else self.prompt.num_tokens
+        if position_ids is not None:
+            checks.learned_positions("position_ids", position_ids, self.config, skip)
         positions = jnp.arange(input_ids.shape[1]) if position_ids is None else position_ids
-        vectors, skip = None, 0
+        vectors = None
         if self.prompt is not None:
             if segment_ids is not None:
                 raise ValueError("segment_ids (packed sequences) cannot be used with a soft "
                                  "prompt, which sits before the whole row")
             vectors, positions, attention_mask, _ = prompt_inputs(
                 self.prompt, self.config, input_ids, positions, attention_mask)
-            skip = self.prompt.num_tokens
         mask = None if attention_mask is None else padding_mask(attention_mask.astype(bool))
         x = self.embeddings(input_ids, positions, prompt=vectors)
         x = self.stack(x, positions=positions, mask=mask, segment_ids=segment_ids,
@@ -157,8 +167,3 @@ class Decoder(nnx.Module):
             return tokens.table[...].T if type(tokens) is TokenEmbedding else None
         return self.head.kernel[...] if type(self.head) is nnx.Linear else None
 
-
-def _check_ids(input_ids) -> None:
-    if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
-        raise ValueError(f"input_ids must be int [batch, seq], got {input_ids.dtype} "
-                         f"{tuple(input_ids.shape)}")

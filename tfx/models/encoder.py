@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfx.models import checks
 from tfx.models.block import dtypes
 from tfx.models.config import EncoderConfig
-from tfx.models.decoder import _check_ids
 from tfx.models.prompting import prompt_inputs
 from tfx.models.stack import Embeddings, Stack
 from tfx.nn.mlp import ACTIVATIONS
@@ -28,7 +28,7 @@ def token_types_from_separators(input_ids: jax.Array, sep_token_id: int) -> jax.
     Returns:
       int32 [batch, seq]. Padding after B gets 1 too; it is masked out anyway.
     """
-    _check_ids(input_ids)
+    checks.ids_array("input_ids", input_ids)
     is_sep = (input_ids == sep_token_id).astype(jnp.int32)
     seps_before = jnp.cumsum(is_sep, axis=1) - is_sep  # [SEP]s strictly before each token
     return (seps_before >= 1).astype(jnp.int32)
@@ -62,21 +62,33 @@ class Encoder(nnx.Module):
         """Last hidden state.
 
         Args:
-          input_ids: int [batch, seq], e.g. [CLS] A [SEP] B [SEP] and padding.
+          input_ids: int [batch, seq], e.g. [CLS] A [SEP] B [SEP] and padding: a jax or
+            numpy array of ids in [0, vocab_size), batch and seq >= 1.
           attention_mask: optional [batch, seq], 1/True for real tokens.
-          token_type_ids: optional int [batch, seq]: 0 through the first [SEP], 1 after
-            (see `token_types_from_separators`); zeros when None, as in Hugging Face.
-          position_ids: optional int [batch, seq] (default 0 .. seq - 1).
+          token_type_ids: optional int [batch, seq] in [0, type_vocab_size): 0 through the
+            first [SEP], 1 after (see `token_types_from_separators`); zeros when None, as in
+            Hugging Face.
+          position_ids: optional int [batch, seq] (default 0 .. seq - 1), within the learned
+            table (< max_len) for position="learned".
         Returns:
           float32 [batch, seq, d_model] (a soft prompt's positions are dropped).
+        Raises:
+          ValueError for values out of range, as `Decoder` (see `tfx.models.checks`).
         """
-        _check_ids(input_ids)
+        c = self.config
+        checks.token_ids("input_ids", input_ids, c.vocab_size)
+        skip = 0 if self.prompt is None else self.prompt.num_tokens
+        if token_type_ids is not None:
+            checks.same_shape("token_type_ids", token_type_ids, "input_ids", input_ids)
+            checks.in_range("token_type_ids", token_type_ids, 0, c.type_vocab_size,
+                            "the token types, type_vocab_size")
+        if position_ids is not None:
+            checks.learned_positions("position_ids", position_ids, c, skip)
         positions = jnp.arange(input_ids.shape[1]) if position_ids is None else position_ids
-        vectors, skip = None, 0
+        vectors = None
         if self.prompt is not None:
             vectors, positions, attention_mask, token_type_ids = prompt_inputs(
-                self.prompt, self.config, input_ids, positions, attention_mask, token_type_ids)
-            skip = self.prompt.num_tokens
+                self.prompt, c, input_ids, positions, attention_mask, token_type_ids)
         mask = None if attention_mask is None else padding_mask(attention_mask.astype(bool))
         x = self.embeddings(input_ids, positions, token_type_ids, prompt=vectors)
         x = self.stack(x, positions=positions, mask=mask, token_mask=attention_mask)

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfx.models import checks
 from tfx.models.block import dtypes
 from tfx.models.config import EncoderDecoderConfig
-from tfx.models.decoder import _check_ids
 from tfx.models.prompting import prepend, prompt_inputs
 from tfx.models.stack import Embeddings, Stack
 from tfx.nn.embeddings import TokenEmbedding
@@ -26,6 +26,10 @@ class EncoderDecoder(nnx.Module):
 
     Call it like Hugging Face's T5ForConditionalGeneration:
     `logits = model(input_ids, attention_mask=mask, decoder_input_ids=ids)`.
+
+    input_ids and decoder_input_ids are int [batch, seq] jax or numpy arrays of ids in
+    [0, vocab_size), batch and seq >= 1; a decoding cache must have room for the tokens fed.
+    Values out of range raise ValueError (see `tfx.models.checks`, also for checked mode).
     """
 
     def __init__(self, config: EncoderDecoderConfig, *, rngs: nnx.Rngs):
@@ -60,7 +64,7 @@ class EncoderDecoder(nnx.Module):
         d_model], so that the decoder attends to them too (as in peft); `decode` and
         `init_cache` still take the [batch, src_len] attention_mask of the tokens.
         """
-        _check_ids(input_ids)
+        checks.token_ids("input_ids", input_ids, self.config.vocab_size)
         positions = jnp.arange(input_ids.shape[1])
         vectors = None
         if self.prompt is not None:
@@ -80,7 +84,7 @@ class EncoderDecoder(nnx.Module):
         keys/values come from the cache, the tokens continue each sequence, and the updated
         cache is returned as well.
         """
-        _check_ids(decoder_input_ids)
+        checks.token_ids("decoder_input_ids", decoder_input_ids, self.config.vocab_size)
         mask = (None if decoder_attention_mask is None
                 else decoder_attention_mask.astype(bool))
         if cache is None:
@@ -97,6 +101,7 @@ class EncoderDecoder(nnx.Module):
             raise ValueError("with a cache, the encoder output and its mask come from the cache: "
                              "encoded and attention_mask must be None")
         valid = jnp.ones(decoder_input_ids.shape, bool) if mask is None else mask
+        checks.cache_room("decoder_input_ids", cache.decoder, valid, self.config)
         step, decoder_cache = cache.decoder.plan(valid)
         x = self.decoder_embeddings(decoder_input_ids, jnp.maximum(step.query_positions, 0))
         hidden, layers = self.decoder(x, positions=step.query_positions, context=cache.cross,
