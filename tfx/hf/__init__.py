@@ -5,6 +5,11 @@ Supported architectures (config.json "architectures"): BertModel, GPT2LMHeadMode
 LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, T5ForConditionalGeneration. The
 returned module's call mirrors the Hugging Face class, with the same keyword names, and returns
 float32 arrays.
+
+Loading is strict: a checkpoint must hold exactly the tensors the config's model has (up to
+the buffers transformers ignores too and tied copies checked equal), in float16 / bfloat16 /
+float32; `load(path, strict=False)` warns about missing and unexpected tensors instead. Each
+family module (`tfx.hf.gpt2`, ...) states its mapping as a `tfx.hf.plan` of steps.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import pathlib
 
 from flax import nnx
 
-from tfx.hf import io
+from tfx.hf import io, plan
 from tfx.models import create
 
 __all__ = ["SUPPORTED", "load", "save"]
@@ -32,17 +37,34 @@ def __getattr__(name):  # SUPPORTED is computed lazily to keep imports light
     raise AttributeError(name)
 
 
-def load(path: str | pathlib.Path, **overrides) -> nnx.Module:
+def load(path: str | pathlib.Path, *, strict: bool = True, **overrides) -> nnx.Module:
     """Load a transformers save_pretrained folder.
 
     Args:
-      path: folder with config.json and model.safetensors (or a sharded index).
+      path: folder with config.json and `model.safetensors`, or a sharded checkpoint with
+        `model.safetensors.index.json` (each tensor is read from the shard the index names).
+        Without an index only `model.safetensors` is read. Every file must lie in the folder
+        (index entries with absolute paths or `..`, and symlinks out of it, are refused; a
+        Hugging Face cache snapshot's links into its blobs/ are fine). See `tfx.hf.io`.
+      strict: every tensor the model needs must be in the checkpoint, and every tensor of the
+        checkpoint must have a place in the model the config describes (tied copies of the
+        embeddings, checked equal, and the buffers transformers ignores too, e.g. BERT's
+        position_ids, are fine): otherwise ValueError naming them, raised from the files'
+        headers before the model is built. False: warn instead, as transformers does;
+        unexpected tensors are not read, missing ones keep the model's initial values.
       overrides: config fields that change how, not what, the model computes, e.g.
         `dtype="bfloat16"` (compute dtype; weights stay float32), `implementation="blocked"`,
         `remat=True`, `scan_layers=True`.
     Returns:
       an NNX module in eval mode (dropout off) whose call mirrors `config.architectures[0]`.
+    Raises:
+      ValueError naming the file or tensors at fault: unreadable config.json (not UTF-8, not
+      JSON, not an object), an unsupported architecture, a quantized checkpoint
+      (`quantization_config`, or weights of a dtype other than float16 / bfloat16 / float32),
+      the file rules above, missing or unexpected tensors (strict), shapes that do not fit.
     """
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be True or False, got {strict!r}")
     folder = pathlib.Path(path)
     hf_config = io.read_config(folder)
     architecture = _architecture(hf_config, folder)
@@ -50,8 +72,11 @@ def load(path: str | pathlib.Path, **overrides) -> nnx.Module:
     config = family.config_from_hf(hf_config, architecture)
     if overrides:
         config = config.replace(**overrides)
+    checkpoint = io.read_tensors(folder)  # headers only
+    steps, left_out = plan.check(family.steps(checkpoint.keys(), config), checkpoint,
+                                 ignored=family.IGNORED, strict=strict, source=str(folder))
     model = create(config)
-    params = family.params_from_hf(io.read_tensors(folder), config)
+    params = plan.run(steps, checkpoint) | io.current_values(model, left_out)
     if config.scan_layers:
         params = io.stack_layers(params)
     # Heads a checkpoint may lack (a family's OPTIONAL_PARAMS) keep their initial values.
@@ -84,10 +109,22 @@ def save(model: nnx.Module, path: str | pathlib.Path, *, architecture: str) -> N
 
 
 def _architecture(hf_config: dict, folder: pathlib.Path) -> str:
+    """The first supported name of config.json's "architectures"; ValueError for a checkpoint
+    declared quantized or naming none tfx loads."""
+    where = folder / "config.json"
+    quantization = hf_config.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(f"{where}: quantization_config (quant_method={method!r}) declares a "
+                         "quantized checkpoint; quantized checkpoints are not supported (tfx "
+                         "loads float16, bfloat16 and float32 weights)")
     names = hf_config.get("architectures") or []
+    if not (isinstance(names, list) and all(isinstance(name, str) for name in names)):
+        raise ValueError(f"{where}: \"architectures\" must be a list of class names, got "
+                         f"{names!r}")
     families = _families()
     for name in names:
         if name in families:
             return name
-    raise ValueError(f"{folder / 'config.json'}: architectures {names} not supported; "
-                     f"tfx loads {sorted(families)}")
+    raise ValueError(f"{where}: architectures {names} not supported; tfx loads "
+                     f"{sorted(families)}")

@@ -16,7 +16,7 @@ transformers does for missing heads: they never affect the hidden states, but `p
 `mlm_logits` then mean nothing until trained. `OPTIONAL_PARAMS` tells `tfx.hf.load` which
 parameters may be absent. Tensors that nothing reads raise an error (e.g. BertForPreTraining's
 next-sentence head, which the Encoder has no place for), except the position/token-type buffers
-older transformers saved and the tied decoder copies (checked to really be tied).
+older transformers saved (`IGNORED`) and the tied decoder copies (checked to really be tied).
 
 Saving: `params_to_hf` is not told the architecture, so it writes every parameter of the Encoder
 under BertModel's names plus `cls.predictions.*`; transformers' BertModel loads the encoder and
@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from tfx.hf import plan
 from tfx.models.config import EncoderConfig
 
-__all__ = ["ARCHITECTURES", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
-           "params_from_hf", "params_to_hf"]
+__all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
+           "params_from_hf", "params_to_hf", "steps", "tensor_table"]
 
 ARCHITECTURES = ("BertModel", "BertForMaskedLM")
 # Heads that a checkpoint may lack (path prefixes in the Encoder); see the module docstring.
@@ -41,10 +42,16 @@ Path = tuple[str | int, ...]
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                 "relu": "relu", "silu": "silu", "swish": "silu"}
-_ACTIVATIONS_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu",
+# tanh-GELU is written "gelu_new", as the GPT-2 and T5 exports do (torch's fused
+# "gelu_pytorch_tanh" differs from it in the last bit).
+_ACTIVATIONS_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu",
                       "silu": "silu"}
-# Saved by older transformers as (non-persistent today) buffers: constants, not weights.
-_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
+# Saved by older transformers as (non-persistent today) int64 buffers: constants, not weights;
+# transformers ignores them too.
+IGNORED = (r"(bert\.)?embeddings\.(position_ids|token_type_ids)",)
+# The masked-LM decoder's tensors, tied to these (names without `bert.`).
+_TIED = {"cls.predictions.decoder.weight": "embeddings.word_embeddings.weight",
+         "cls.predictions.decoder.bias": "cls.predictions.bias"}
 # Tensor names of each kind of torch module, and whether the weight is transposed:
 # torch nn.Linear stores [out, in], nnx.Linear [in, out].
 _KINDS = {
@@ -126,29 +133,27 @@ def config_to_hf(config: EncoderConfig, architecture: str) -> dict:
 
 
 def params_from_hf(tensors: dict[str, np.ndarray], config: EncoderConfig) -> dict[Path, np.ndarray]:
-    """BERT tensors (with or without the `bert.` prefix) -> Encoder parameters by state path.
-    Heads without any tensor are left out (they keep their initial values, `OPTIONAL_PARAMS`)."""
-    prefix = "bert." if any(name.startswith("bert.") for name in tensors) else ""
-    tensors = {name.removeprefix(prefix): value for name, value in tensors.items()}
-    params: dict[Path, np.ndarray] = {}
+    """BERT tensors (with or without the `bert.` prefix) -> Encoder parameters by state path
+    (every tensor accounted for). Heads without any tensor are left out (they keep their
+    initial values, `OPTIONAL_PARAMS`)."""
+    return plan.convert(steps(tensors.keys(), config), tensors, ignored=IGNORED)
+
+
+def steps(names, config: EncoderConfig) -> list[plan.Step]:
+    """The conversion plan for a checkpoint holding tensors `names` (see `tfx.hf.plan`): the
+    encoder, each head that has any tensor in `names`, and the tied decoder copies present."""
+    prefix = "bert." if any(name.startswith("bert.") for name in names) else ""
+    out = []
     for group, entries in tensor_table(config).items():
-        if group != "encoder" and not any(name in tensors for name, _, _ in entries):
+        if group != "encoder" and not any(_full(prefix, name) in names for name, _, _ in entries):
             continue
-        for name, path, transpose in entries:
-            if name not in tensors:
-                why = ("the BERT encoder needs it" if group == "encoder" else
-                       f"the {group} head's other tensors are present; a head loads whole or "
-                       "not at all")
-                raise ValueError(f"checkpoint tensor {_full(prefix, name)} is missing ({why})")
-            params[path] = tensors[name].T if transpose else tensors[name]
-    used = {name for entries in tensor_table(config).values() for name, _, _ in entries}
-    _check_tied(tensors, prefix)
-    unused = sorted(set(tensors) - used - set(_BUFFERS) - {"cls.predictions.decoder.weight",
-                                                           "cls.predictions.decoder.bias"})
-    if unused:
-        raise ValueError(f"checkpoint tensors {[_full(prefix, n) for n in unused][:5]} have no "
-                         "place in the tfx Encoder (BERT encoder, pooler and masked-LM head)")
-    return params
+        why = ("the BERT encoder needs it" if group == "encoder" else
+               f"the {group} head's other tensors are present; a head loads whole or not at all")
+        out += [plan.copy(path, _full(prefix, name), transpose=transpose, why=why)
+                for name, path, transpose in entries]
+    out += [plan.tied(copy, _full(prefix, source), "tfx supports the tied masked-LM decoder only")
+            for copy, source in _TIED.items() if copy in names]
+    return out
 
 
 def params_to_hf(params: dict[Path, np.ndarray], config: EncoderConfig) -> dict[str, np.ndarray]:
@@ -184,16 +189,6 @@ def tensor_table(config: EncoderConfig) -> dict[str, list[tuple[str, Path, bool]
 def _expand(modules) -> list[tuple[str, Path, bool]]:
     return [(f"{name}.{hf}", (*path, ours), transpose)
             for name, path, kind in modules for hf, ours, transpose in _KINDS[kind]]
-
-
-def _check_tied(tensors: dict[str, np.ndarray], prefix: str) -> None:
-    """The masked-LM decoder, when saved, must equal what tfx ties it to."""
-    for copy, source in (("cls.predictions.decoder.weight", "embeddings.word_embeddings.weight"),
-                         ("cls.predictions.decoder.bias", "cls.predictions.bias")):
-        if copy in tensors and not (source in tensors
-                                    and np.array_equal(tensors[copy], tensors[source])):
-            raise ValueError(f"checkpoint tensor {copy} differs from {_full(prefix, source)}: "
-                             "tfx supports the tied masked-LM decoder only")
 
 
 def _full(prefix: str, name: str) -> str:

@@ -8,16 +8,21 @@ value projections side by side along the output dimension: [d_model, 3 * d_model
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-from tfx.hf import io
+from tfx.hf import plan
 from tfx.models.config import DecoderConfig
 
-__all__ = ["ARCHITECTURES", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
-           "params_from_hf", "params_to_hf"]
+__all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
+           "params_from_hf", "params_to_hf", "steps"]
 
 ARCHITECTURES = ("GPT2LMHeadModel",)
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
+# Buffers older transformers saved (the causal mask and its fill value): constants, not weights;
+# transformers ignores them too.
+IGNORED = (r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)",)
 
 # HF activation_function -> tfx activation ("gelu_new" is the tanh approximation).
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
@@ -81,23 +86,37 @@ def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
 
 
 def params_from_hf(tensors: dict[str, np.ndarray], config: DecoderConfig) -> dict:
-    """GPT2LMHeadModel tensors -> tfx parameters by state path."""
-    if "transformer.wte.weight" not in tensors and "wte.weight" in tensors:
-        # OpenAI's hub checkpoints were saved from GPT2Model, without the "transformer."
-        # prefix; transformers loads them into GPT2LMHeadModel, and so does tfx.
-        tensors = {f"transformer.{name}": value for name, value in tensors.items()}
-    params = {path: io.tensor(tensors, name) for path, name in _names(config).items()}
+    """GPT2LMHeadModel tensors -> tfx parameters by state path (every tensor accounted for)."""
+    return plan.convert(steps(tensors.keys(), config), tensors, ignored=IGNORED)
+
+
+def steps(names, config: DecoderConfig) -> list[plan.Step]:
+    """The conversion plan for a checkpoint holding tensors `names` (see `tfx.hf.plan`)."""
+    # OpenAI's hub checkpoints were saved from GPT2Model, without the "transformer." prefix;
+    # transformers loads them into GPT2LMHeadModel, and so does tfx.
+    bare = "transformer.wte.weight" not in names and "wte.weight" in names
+
+    def hf(name: str) -> str:
+        return name.removeprefix("transformer.") if bare else name
+
+    out = [plan.copy(path, hf(name)) for path, name in _names(config).items()]
     for i in range(config.num_layers):
         for kind, suffix in (("kernel", "weight"), ("bias", "bias")):
-            packed = io.tensor(tensors, f"transformer.h.{i}.attn.c_attn.{suffix}")
-            if packed.shape[-1] % 3:
-                raise ValueError(f"tensor 'transformer.h.{i}.attn.c_attn.{suffix}' has shape "
-                                 f"{packed.shape}: its last dim must pack q, k and v")
-            for name, part in zip(_QKV, np.split(packed, 3, axis=-1), strict=True):
-                params[("stack", "layers", i, "attention", name, kind)] = part
-    if not config.tie_embeddings:  # a tied checkpoint may hold lm_head.weight too: not needed
-        params[("head", "kernel")] = io.tensor(tensors, "lm_head.weight").T  # nn.Linear [out, in]
-    return params
+            name = hf(f"transformer.h.{i}.attn.c_attn.{suffix}")
+            targets = tuple(("stack", "layers", i, "attention", q, kind) for q in _QKV)
+            out.append(plan.Step(targets, (name,), functools.partial(_split_qkv, name)))
+    if not config.tie_embeddings:  # nn.Linear [out, in]
+        out.append(plan.copy(("head", "kernel"), "lm_head.weight", transpose=True))
+    elif "lm_head.weight" in names:  # a tied checkpoint may hold a copy: checked, not used
+        out.append(plan.tied("lm_head.weight", hf("transformer.wte.weight")))
+    return out
+
+
+def _split_qkv(name: str, packed: np.ndarray) -> list[np.ndarray]:
+    if packed.shape[-1] % 3:
+        raise ValueError(f"tensor {name!r} has shape {packed.shape}: its last dim must pack "
+                         "q, k and v")
+    return np.split(packed, 3, axis=-1)
 
 
 def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:

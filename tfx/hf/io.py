@@ -1,7 +1,20 @@
 """Files of a Hugging Face checkpoint folder, and moving arrays in and out of an NNX model.
 
-Reads `config.json` and `*.safetensors` (one file or a sharded `model.safetensors.index.json`)
-with numpy; refuses pickle checkpoints. Every failure names the file or tensor at fault.
+Reads `config.json` and safetensors weights with numpy; refuses pickle checkpoints. Every
+failure names the file or tensor at fault. Which files hold the weights (what transformers'
+save_pretrained writes, and nothing else):
+
+- with `model.safetensors.index.json`: the shards its "weight_map" names, each tensor read only
+  from the shard the index maps it to. Tensors a shard holds that the index does not map to it,
+  and `*.safetensors` files the index does not name, are not read.
+- without an index: `model.safetensors`, alone. Other `*.safetensors` files beside it (an
+  adapter, a stray copy) are not read; a folder with other `*.safetensors` files but no
+  `model.safetensors` is refused, naming them, and so is a folder with both
+  `model.safetensors` and an index (which of the two is the checkpoint is ambiguous).
+
+Every file read lies in the folder: index entries that are absolute or contain `..`, and
+symlinks resolving outside the folder, are refused, except that a Hugging Face cache snapshot
+(`<repo>/snapshots/<revision>/`) may link into its own `<repo>/blobs/`, as the hub's cache does.
 """
 
 from __future__ import annotations
@@ -11,18 +24,26 @@ import os
 import pathlib
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["assign_params", "flat_params", "read_config", "read_json", "read_tensors",
-           "stack_layers", "tensor", "unstack_layers", "write_folder"]
+__all__ = ["Checkpoint", "assign_params", "current_values", "flat_params", "read_config",
+           "read_json", "read_tensors", "stack_layers", "unstack_layers", "write_folder"]
 
 Path = tuple[str | int, ...]
 _PICKLES = ("pytorch_model.bin", "model.bin", "pytorch_model.bin.index.json", "model.pt",
             "tf_model.h5", "flax_model.msgpack")
+_SINGLE, _INDEX = "model.safetensors", "model.safetensors.index.json"
+# safetensors dtype codes -> numpy names, so that messages speak one language.
+_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
+           "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64",
+           "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+           "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+_JSON_KINDS = {dict: "object", list: "array", str: "string", int: "number", float: "number",
+               bool: "true/false", type(None): "null"}
 
 
 def read_config(folder: pathlib.Path) -> dict:
@@ -30,68 +51,156 @@ def read_config(folder: pathlib.Path) -> dict:
     if not folder.is_dir():
         raise ValueError(f"checkpoint path {folder} is not a folder (expected what "
                          "transformers' save_pretrained writes: config.json + *.safetensors)")
-    return read_json(folder / "config.json", dict, "a checkpoint folder needs its config.json")
+    path = inside(folder, "config.json", f"{folder / 'config.json'}")
+    return read_json(path, dict, "a checkpoint folder needs its config.json")
 
 
 def read_json(path: pathlib.Path, kind: type, missing: str) -> dict | list:
-    """Parse a JSON file that must hold a `kind` (dict or list); `missing` says why it must
-    exist when it does not."""
+    """Parse a UTF-8 JSON file that must hold a `kind` (dict: a JSON object, or list: an array);
+    `missing` says why it must exist when it does not. Errors name `path` and what is wrong
+    (unreadable, not UTF-8, not JSON, a key given twice, the wrong kind of value)."""
     if not path.is_file():
         raise ValueError(f"{path} is missing: {missing}")
     try:
-        value = json.loads(path.read_text())
+        text = path.read_bytes().decode("utf-8")
+        value = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, path))
+    except OSError as error:
+        raise ValueError(f"{path} cannot be read: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text (byte {error.start}: {error.reason}); "
+                         "expected a JSON file") from None
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not valid JSON: {error}") from None
     if not isinstance(value, kind):
-        raise ValueError(f"{path} must hold a JSON {kind.__name__}, got {type(value).__name__}")
+        raise ValueError(f"{path} must hold a JSON {_JSON_KINDS[kind]}, got a JSON "
+                         f"{_JSON_KINDS.get(type(value), type(value).__name__)}")
     return value
 
 
-def read_tensors(folder: pathlib.Path) -> dict[str, np.ndarray]:
-    """Every tensor of the folder's safetensors file(s), by name, as numpy arrays."""
-    from safetensors import SafetensorError
+def _unique_keys(pairs: list[tuple[str, object]], path: pathlib.Path) -> dict:
+    # json.loads keeps the last of repeated keys; a file that says two things is refused.
+    value = dict(pairs)
+    if len(value) < len(pairs):
+        twice = sorted({key for key, _ in pairs if sum(k == key for k, _ in pairs) > 1})
+        raise ValueError(f"{path} gives the key(s) {twice} more than once in one JSON object")
+    return value
 
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
+
+def inside(folder: pathlib.Path, entry: str, what: str) -> pathlib.Path:
+    """`folder / entry`, refused (ValueError naming `what`) when it is not a relative path
+    inside `folder` or is a symlink resolving outside it (a hub cache snapshot's links into
+    its own blobs/ excepted). The file need not exist."""
+    parts = pathlib.PurePath(entry).parts
+    if not entry or pathlib.PurePath(entry).is_absolute() or ".." in parts:
+        raise ValueError(f"{what}: {entry!r} is not a file name inside {folder} (absolute "
+                         "paths and '..' are refused: a checkpoint reads only its own files)")
+    path, root = folder / entry, folder.resolve()
+    resolved = path.resolve()
+    hub_blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    if not (resolved.is_relative_to(root) or resolved.parent == hub_blobs):
+        raise ValueError(f"{what}: {entry!r} is a symlink resolving to {resolved}, outside "
+                         f"{folder} (a checkpoint reads only its own files: copy the file in)")
+    return path
+
+
+class Checkpoint(Mapping):
+    """A checkpoint's tensors by name, read lazily: the safetensors headers (names, dtypes) are
+    read up front, a tensor's data only when it is looked up, and only from the one file the
+    tensor belongs to.
+
+    `checkpoint[name]` -> numpy array (bfloat16 as ml_dtypes' bfloat16);
+    `checkpoint.dtypes[name]` -> its numpy dtype name ("float32", "int8", ...), from the header.
+    """
+
+    def __init__(self, files: Mapping[str, pathlib.Path], dtypes: Mapping[str, str]):
+        self.files, self.dtypes = dict(files), dict(dtypes)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        from safetensors import SafetensorError, safe_open
+
+        path = self.files[name]
         try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, AttributeError) as error:
-            raise ValueError(f"{index} is not a valid safetensors index: {error!r}") from None
-    else:
-        files = sorted(p.name for p in folder.glob("*.safetensors"))
-    if not files:
-        pickles = [name for name in _PICKLES if (folder / name).exists()]
-        if pickles:
-            raise ValueError(
-                f"{folder} holds only pickle weights ({', '.join(pickles)}); tfx reads "
-                "safetensors only. Convert with transformers: "
-                "AutoModel.from_pretrained(path).save_pretrained(path, safe_serialization=True)")
-        raise ValueError(f"{folder} has no *.safetensors weights")
-    tensors: dict[str, np.ndarray] = {}
-    for name in files:
-        path = folder / name
+            with safe_open(str(path), "numpy") as file:
+                return file.get_tensor(name)
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"{path}: tensor {name!r} cannot be read: {error}") from None
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self.files
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+
+def read_tensors(folder: pathlib.Path) -> Checkpoint:
+    """The tensors of the folder's safetensors file(s), by name (see the module docstring for
+    which files are read). Only headers are read here; see `Checkpoint`."""
+    index = inside(folder, _INDEX, str(folder / _INDEX))
+    single = inside(folder, _SINGLE, str(folder / _SINGLE))
+    if index.is_file() and single.is_file():
+        raise ValueError(f"{folder} holds both {_SINGLE} and {_INDEX}: which one is the "
+                         "checkpoint is ambiguous; remove the one that is not")
+    shards = _index(folder, index) if index.is_file() else _unindexed(folder, single)
+    files, dtypes = {}, {}
+    for path, names in shards.items():
+        header = _header(path)
+        absent = sorted(set(names or header) - set(header))
+        if absent:
+            raise ValueError(f"{index} maps tensor(s) {absent[:5]} ({len(absent)} in all) to "
+                             f"{path.name}, which does not hold them")
+        for name in names or header:
+            files[name], dtypes[name] = path, header[name]
+    return Checkpoint(files, dtypes)
+
+
+def _index(folder: pathlib.Path, index: pathlib.Path) -> dict[pathlib.Path, list[str]]:
+    """Shard path -> the tensor names the index maps to it."""
+    weight_map = read_json(index, dict, "").get("weight_map")
+    if not (isinstance(weight_map, dict) and weight_map
+            and all(isinstance(file, str) for file in weight_map.values())):
+        raise ValueError(f"{index} is not a valid safetensors index: it needs a non-empty "
+                         "\"weight_map\" of tensor name -> shard file name")
+    shards: dict[pathlib.Path, list[str]] = {}
+    for name, entry in weight_map.items():
+        path = inside(folder, entry, f"{index} (weight_map entry of {name!r})")
         if not path.is_file():
             raise ValueError(f"{path} is listed in the index but missing")
-        try:
-            tensors.update(_load(path))
-        except (SafetensorError, OSError, ValueError) as error:
-            raise ValueError(f"{path} is not a readable safetensors file: {error}") from None
-    return tensors
+        shards.setdefault(path, []).append(name)
+    return shards
 
 
-def tensor(tensors: Mapping[str, np.ndarray], name: str) -> np.ndarray:
-    """`tensors[name]`, or a ValueError saying that the checkpoint lacks that tensor."""
-    if name not in tensors:
-        raise ValueError(f"tensor {name!r} is missing from the checkpoint")
-    return tensors[name]
+def _unindexed(folder: pathlib.Path, single: pathlib.Path) -> dict[pathlib.Path, None]:
+    """{model.safetensors: None} (None: every tensor it holds), or why there is none."""
+    if single.is_file():
+        return {single: None}
+    others = sorted(p.name for p in folder.glob("*.safetensors"))
+    if others:
+        raise ValueError(f"{folder} has no {_SINGLE} and no {_INDEX}, only {others}: without "
+                         f"an index tfx reads {_SINGLE} alone (what save_pretrained writes; "
+                         "sharded checkpoints come with their index)")
+    pickles = [name for name in _PICKLES if (folder / name).exists()]
+    if pickles:
+        raise ValueError(
+            f"{folder} holds only pickle weights ({', '.join(pickles)}); tfx reads "
+            "safetensors only. Convert with transformers: "
+            "AutoModel.from_pretrained(path).save_pretrained(path, safe_serialization=True)")
+    raise ValueError(f"{folder} has no *.safetensors weights")
 
 
-def _load(path: pathlib.Path) -> dict[str, np.ndarray]:
-    # The flax reader handles bfloat16 (numpy's does not); arrays come back as numpy with
-    # ml_dtypes' bfloat16 where the file has it.
-    from safetensors.flax import load_file
+def _header(path: pathlib.Path) -> dict[str, str]:
+    """Tensor name -> numpy dtype name, from a safetensors file's header (no data is read)."""
+    from safetensors import SafetensorError, safe_open
 
-    return {name: np.asarray(value) for name, value in load_file(str(path)).items()}
+    try:
+        with safe_open(str(path), "numpy") as file:
+            names = file.keys()  # a safe_open is not iterable
+            codes = {name: file.get_slice(name).get_dtype() for name in names}
+            return {name: _DTYPES.get(code, code) for name, code in codes.items()}
+    except (SafetensorError, OSError, ValueError) as error:
+        raise ValueError(f"{path} is not a readable safetensors file: {error}") from None
 
 
 def flat_params(model: nnx.Module) -> dict[Path, np.ndarray]:
@@ -125,6 +234,20 @@ def assign_params(model: nnx.Module, params: Mapping[Path, np.ndarray], *,
             raise ValueError(f"{source}: tensor for {_name(path)} has shape {value.shape}, "
                              f"the model expects {var[...].shape}")
         var[...] = jnp.asarray(value, var[...].dtype)
+
+
+def current_values(model: nnx.Module, paths: list[Path]) -> dict[Path, np.ndarray]:
+    """The model's own (e.g. initial) values of per-layer parameter `paths`, whether its layers
+    are stacked (`scan_layers`: row i of (..., 'layers', ...)) or not."""
+    state = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    values = {}
+    for path in paths:
+        at = _layer_index(path)
+        if path in state or at is None:
+            values[path] = np.asarray(state[path][...])
+        else:
+            values[path] = np.asarray(state[path[:at] + path[at + 1:]][...][path[at]])
+    return values
 
 
 def stack_layers(params: Mapping[Path, np.ndarray]) -> dict[Path, np.ndarray]:

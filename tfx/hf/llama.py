@@ -17,16 +17,19 @@ import dataclasses
 
 import numpy as np
 
-from tfx.hf import io
+from tfx.hf import plan
 from tfx.models.config import DecoderConfig
 from tfx.ops.positional import DynamicNTKScaling, LinearScaling, Llama3Scaling, YaRNScaling
 
-__all__ = ["ARCHITECTURES", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
-           "decoder_config", "decoder_config_to_hf", "params_from_hf", "params_to_hf",
+__all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
+           "decoder_config", "decoder_config_to_hf", "params_from_hf", "params_to_hf", "steps",
            "tensor_names"]
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
+# The rotary frequencies older transformers saved per layer: computed from the config, not
+# weights; transformers ignores them too (shared with Mixtral).
+IGNORED = (r"(.*\.)?rotary_emb\.inv_freq",)
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
 # What every LLaMA / Mistral is, in tfx terms (checked again on export).
@@ -119,9 +122,19 @@ def decoder_config_to_hf(config: DecoderConfig, architecture: str, model_type: s
 
 
 def params_from_hf(tensors: dict[str, np.ndarray], config: DecoderConfig) -> dict:
-    """LlamaForCausalLM / MistralForCausalLM tensors -> tfx parameters by state path."""
-    return {path: _transposed(path, io.tensor(tensors, name))
-            for path, name in tensor_names(config).items()}
+    """LlamaForCausalLM / MistralForCausalLM tensors -> tfx parameters by state path (every
+    tensor accounted for)."""
+    return plan.convert(steps(tensors.keys(), config), tensors, ignored=IGNORED)
+
+
+def steps(names, config: DecoderConfig) -> list[plan.Step]:
+    """The conversion plan for a checkpoint holding tensors `names` (see `tfx.hf.plan`); for a
+    Mixtral config, all but the experts and routers."""
+    out = [plan.copy(path, name, transpose=path[-1] == "kernel")
+           for path, name in tensor_names(config).items()]
+    if config.tie_embeddings and "lm_head.weight" in names:  # a copy: checked, not used
+        out.append(plan.tied("lm_head.weight", "model.embed_tokens.weight"))
+    return out
 
 
 def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
@@ -140,7 +153,7 @@ def tensor_names(config: DecoderConfig) -> dict[tuple, str]:
     layers have experts in place of the MLP: `tfx.hf.mixtral` names those)."""
     names = {("embeddings", "tokens", "table"): "model.embed_tokens.weight",
              ("stack", "final_norm", "scale"): "model.norm.weight"}
-    if not config.tie_embeddings:  # a tied checkpoint may hold lm_head.weight too: not needed
+    if not config.tie_embeddings:  # a tied checkpoint's lm_head.weight is checked by `steps`
         names[("head", "kernel")] = "lm_head.weight"
     projections = {("attention", "query"): "self_attn.q_proj",
                    ("attention", "key"): "self_attn.k_proj",

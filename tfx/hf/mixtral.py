@@ -27,17 +27,20 @@ inference is unaffected by both.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-from tfx.hf import io, llama
+from tfx.hf import llama, plan
 from tfx.models.config import DecoderConfig
 
-__all__ = ["ARCHITECTURES", "HAS_EXPERTS", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
-           "params_from_hf", "params_to_hf"]
+__all__ = ["ARCHITECTURES", "HAS_EXPERTS", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf",
+           "config_to_hf", "params_from_hf", "params_to_hf", "steps"]
 
 ARCHITECTURES = ("MixtralForCausalLM",)
 HAS_EXPERTS = True  # the one family whose models may have num_experts > 0 (tfx.hf.save)
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
+IGNORED = llama.IGNORED  # the rotary buffers older transformers saved
 
 # MixtralConfig's defaults, for config.json files that leave a field out.
 _DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
@@ -105,15 +108,20 @@ def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
 
 
 def params_from_hf(tensors: dict[str, np.ndarray], config: DecoderConfig) -> dict:
-    """MixtralForCausalLM tensors (per-expert or fused layout) -> tfx parameters by state path."""
-    params = llama.params_from_hf(tensors, config)  # all but the MoE blocks
+    """MixtralForCausalLM tensors (per-expert or fused layout) -> tfx parameters by state path
+    (every tensor accounted for)."""
+    return plan.convert(steps(tensors.keys(), config), tensors, ignored=IGNORED)
+
+
+def steps(names, config: DecoderConfig) -> list[plan.Step]:
+    """The conversion plan for a checkpoint holding tensors `names` (see `tfx.hf.plan`)."""
+    out = llama.steps(names, config)  # all but the MoE blocks
     for i in range(config.num_layers):
-        layer, block = ("stack", "layers", i), _block(tensors, i)
-        params[(*layer, *_ROUTER)] = io.tensor(tensors, f"{block}.gate.weight").T
-        for name, value in zip(_EXPERTS, _experts(tensors, block, config.num_experts),
-                               strict=True):
-            params[(*layer, "mlp", "experts", name)] = value
-    return params
+        layer, block = ("stack", "layers", i), _block(names, i)
+        out.append(plan.copy((*layer, *_ROUTER), f"{block}.gate.weight", transpose=True))
+        out += _expert_steps(names, block, tuple((*layer, "mlp", "experts", name)
+                                                 for name in _EXPERTS), config.num_experts)
+    return out
 
 
 def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
@@ -135,27 +143,35 @@ def _expert_width(config: DecoderConfig) -> int:
     return config.d_ff if config.moe_d_ff is None else config.moe_d_ff
 
 
-def _block(tensors: dict, layer: int) -> str:
-    """Prefix of layer `layer`'s MoE tensors: `block_sparse_moe` (saved) or `mlp` (fused)."""
-    for name in ("block_sparse_moe", "mlp"):
-        prefix = f"model.layers.{layer}.{name}"
-        if f"{prefix}.gate.weight" in tensors:
-            return prefix
-    raise ValueError(f"tensor 'model.layers.{layer}.block_sparse_moe.gate.weight' is missing "
-                     "from the checkpoint")
+def _block(names, layer: int) -> str:
+    """Prefix of layer `layer`'s MoE tensors: `block_sparse_moe` (saved) or `mlp` (fused); the
+    saved one when the checkpoint has neither (the missing tensors are then named so)."""
+    fused = f"model.layers.{layer}.mlp"
+    return fused if f"{fused}.gate.weight" in names else f"model.layers.{layer}.block_sparse_moe"
 
 
-def _experts(tensors: dict, block: str, num_experts: int) -> tuple[np.ndarray, ...]:
-    """(gate [E, d, f], up [E, d, f], down [E, f, d]) from either tensor layout."""
+def _expert_steps(names, block: str, targets: tuple, num_experts: int) -> list[plan.Step]:
+    """Steps making the stacked experts `targets` (gate [E, d, f], up [E, d, f], down
+    [E, f, d]) from either tensor layout."""
     fused = f"{block}.experts.gate_up_proj"
-    if fused in tensors:
-        gate_up = tensors[fused]  # [E, 2f, d], gate rows first
-        if gate_up.ndim != 3 or gate_up.shape[1] % 2:
-            raise ValueError(f"tensor {fused!r} has shape {gate_up.shape}, expected [E, 2f, d]")
-        f = gate_up.shape[1] // 2
-        down = io.tensor(tensors, f"{block}.experts.down_proj")  # [E, d, f]
-        return (gate_up[:, :f].transpose(0, 2, 1), gate_up[:, f:].transpose(0, 2, 1),
-                down.transpose(0, 2, 1))
-    per_expert = [[io.tensor(tensors, f"{block}.experts.{j}.{w}.weight").T
-                   for j in range(num_experts)] for w in ("w1", "w3", "w2")]
-    return tuple(np.stack(ws) for ws in per_expert)
+    if fused in names:
+        sources = (fused, f"{block}.experts.down_proj")
+        return [plan.Step(targets, sources, functools.partial(_split_fused, fused))]
+    # nn.Linear weights are [out, in]: w1, w3 [f, d] and w2 [d, f], one tensor per expert.
+    return [plan.Step((target,), tuple(f"{block}.experts.{j}.{w}.weight"
+                                       for j in range(num_experts)), _stack_transposed)
+            for target, w in zip(targets, ("w1", "w3", "w2"), strict=True)]
+
+
+def _stack_transposed(*weights: np.ndarray) -> tuple[np.ndarray]:
+    return (np.stack([w.T for w in weights]),)
+
+
+def _split_fused(name: str, gate_up: np.ndarray, down: np.ndarray) -> tuple[np.ndarray, ...]:
+    """gate_up [E, 2f, d] (gate rows first), down [E, d, f] -> gate, up [E, d, f], down
+    [E, f, d]."""
+    if gate_up.ndim != 3 or gate_up.shape[1] % 2:
+        raise ValueError(f"tensor {name!r} has shape {gate_up.shape}, expected [E, 2f, d]")
+    f = gate_up.shape[1] // 2
+    return (gate_up[:, :f].transpose(0, 2, 1), gate_up[:, f:].transpose(0, 2, 1),
+            down.transpose(0, 2, 1))

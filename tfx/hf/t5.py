@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from tfx.hf import plan
 from tfx.models.config import EncoderDecoderConfig
 
-__all__ = ["ARCHITECTURES", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
-           "params_from_hf", "params_to_hf"]
+__all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
+           "params_from_hf", "params_to_hf", "steps"]
 
 ARCHITECTURES = ("T5ForConditionalGeneration",)
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
@@ -34,10 +35,10 @@ _HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new", "sil
 # attribute order; the head's path when untied.
 _SHARED = ("decoder_embeddings", "tokens", "table")
 _HEAD = ("head", "kernel")
-# Tensors transformers itself ignores when loading (an unused cross-attention bias table) or
-# ties to shared.weight.
-_IGNORED = ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",
-            "encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+# A tensor transformers itself ignores when loading: an unused cross-attention bias table.
+IGNORED = (r"decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight",)
+# Copies of the shared embeddings older checkpoints hold; transformers ties them to shared.weight.
+_EMBED_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 
 Path = tuple[str | int, ...]
 
@@ -149,28 +150,26 @@ def params_from_hf(tensors: dict[str, np.ndarray],
                    config: EncoderDecoderConfig) -> dict[Path, np.ndarray]:
     """HF tensors by name -> tfx parameters by state path. Every tensor must be used (or be one
     transformers ignores too), so nothing that changes the numbers is dropped silently."""
+    return plan.convert(steps(tensors.keys(), config), tensors, ignored=IGNORED)
 
-    def take(name: str) -> np.ndarray:
-        if name not in tensors:
-            raise ValueError(f"tensor {name!r} is missing from the T5 checkpoint")
-        return np.asarray(tensors[name])
 
-    params = {path: _oriented(take(name), transposed) for path, name, transposed in _names(config)}
-    shared = "shared.weight" if "shared.weight" in tensors else "encoder.embed_tokens.weight"
-    params[_SHARED] = take(shared)
-    used = {name for _, name, _ in _names(config)} | {shared}
-    if "lm_head.weight" in tensors:
-        used.add("lm_head.weight")
-        if config.tie_embeddings and not np.array_equal(tensors["lm_head.weight"],
-                                                        params[_SHARED]):
-            raise ValueError("tensor 'lm_head.weight' differs from the shared embeddings but the "
-                             "config ties them (scale_decoder_outputs / tie_word_embeddings)")
+def steps(names, config: EncoderDecoderConfig) -> list[plan.Step]:
+    """The conversion plan for a checkpoint holding tensors `names` (see `tfx.hf.plan`). The
+    embedding copies and a tied lm_head are checked to equal the shared table; an untied head
+    without lm_head.weight is the shared table (transformers ties them)."""
+    out = [plan.copy(path, name, transpose=transposed) for path, name, transposed in _names(config)]
+    shared = "shared.weight"
+    if shared not in names and _EMBED_COPIES[0] in names:  # some old checkpoints' only copy
+        shared = _EMBED_COPIES[0]
+    out.append(plan.copy(_SHARED, shared))
+    out += [plan.tied(copy, shared) for copy in _EMBED_COPIES if copy != shared and copy in names]
     if not config.tie_embeddings:
-        params[_HEAD] = np.asarray(tensors.get("lm_head.weight", params[_SHARED])).T
-    extra = sorted(set(tensors) - used - set(_IGNORED))
-    if extra:
-        raise ValueError(f"T5 checkpoint has tensors tfx does not use: {extra[:5]}")
-    return params
+        head = "lm_head.weight" if "lm_head.weight" in names else shared
+        out.append(plan.copy(_HEAD, head, transpose=True))
+    elif "lm_head.weight" in names:
+        out.append(plan.tied("lm_head.weight", shared, "scale_decoder_outputs / "
+                             "tie_word_embeddings"))
+    return out
 
 
 def params_to_hf(params: dict[Path, np.ndarray],
