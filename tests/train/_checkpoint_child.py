@@ -3,7 +3,9 @@
     python _checkpoint_child.py kill DIRECTORY     save step 1, then SIGKILL itself while the
                                                    asynchronous save of step 2 is being written
     python _checkpoint_child.py sharded DIRECTORY  save an array sharded over 4 CPU devices and
-                                                   restore it into another sharding
+                                                   restore it into another sharding (its
+                                                   checksums verify); then flip a bit of one
+                                                   shard on disk: a strict restore refuses it
 """
 
 import os
@@ -18,8 +20,9 @@ if sys.argv[1] == "sharded":  # must be set before jax starts
 import jax
 import jax.numpy as jnp
 import numpy as np
+from test_checkpoint_integrity import damage_payload
 
-from tfx.train.checkpoint import Checkpoints
+from tfx.train.checkpoint import Checkpoints, CorruptCheckpointError
 
 CONFIG = {"model": "child"}
 
@@ -49,13 +52,26 @@ def sharded(directory: str) -> None:
     mesh = jax.make_mesh((2, 2), ("data", "model"))
     row = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model"))
     col = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "data"))
-    x = jax.device_put(np.arange(64.0, dtype=np.float32).reshape(8, 8), row)
+    # Random bits: incompressible, so that the shards lie on disk as they are, and 4 KiB a
+    # shard: larger than what OCDBT stores inline in its b-tree nodes (which carry a CRC).
+    bits = np.random.default_rng(0).integers(0, 2**31, (64, 64), dtype=np.int32)
+    x = jax.device_put(bits.view(np.float32), row)
+    template = {"x": jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=col)}
     with Checkpoints(directory, config=CONFIG) as ckpts:
         ckpts.save(1, {"x": x})
     with Checkpoints(directory, config=CONFIG) as ckpts:
-        step, out = ckpts.restore({"x": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=col)})
+        step, out = ckpts.restore(template)
     assert step == 1 and out["x"].sharding == col, (step, out["x"].sharding)
-    np.testing.assert_array_equal(np.asarray(out["x"]), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(out["x"]).view(np.int32), bits)
+    damage_payload(pathlib.Path(directory) / "1", np.asarray(x.addressable_shards[3].data),
+                   "flip_bit")
+    with Checkpoints(directory, config=CONFIG) as ckpts:
+        try:
+            ckpts.restore(template, strict=True)
+        except CorruptCheckpointError as e:
+            assert "step 1" in str(e) and "checksums: x)" in str(e), e
+        else:
+            raise AssertionError("a damaged shard restored")
     print("sharded ok")
 
 

@@ -4,7 +4,9 @@ Layout of a run's checkpoint directory (WORKDIR/checkpoints)::
 
     config.json       the run's experiment config, written once; a later run with another
                       config in the same directory is refused before anything is written
-    <step>/           one orbax checkpoint per saved step (the newest `keep` are kept)
+    <step>/           one orbax checkpoint per saved step (the newest `keep` are kept):
+      default/        the state's arrays
+      checksums/      a checksum of every array (`tfx.train.checksums`), verified on restore
 
 The state is any pytree of jax arrays (sharded or not), numpy arrays and python scalars,
 e.g. ``{"params": nnx.State, "opt_state": optax state, "step": int32[], "rng": key}``.
@@ -15,8 +17,14 @@ the template holds one, and a raw uint32 key-data array restores as that array.
 Orbax writes each step into a temporary directory and renames it only once complete, so a
 save that dies half way (crash, SIGKILL, full disk) never replaces an earlier step, and old
 steps are deleted only after the new one has committed. Temporary leftovers are removed when
-the next `Checkpoints` opens the directory. A step that `restore` finds unreadable stays on
-disk (a read error may be passing) until a new save of that step replaces it or it rotates out.
+the next `Checkpoints` opens the directory. Both items of a step commit together, so a
+committed step always has its checksums. A step that `restore` finds unreadable or whose
+arrays do not match their checksums stays on disk (a read error may be passing) until a new
+save of that step replaces it or it rotates out. Steps written before checksums existed (no
+``checksums/`` item) restore unverified, with a warning.
+
+A background save that fails is reported by the next `check`, `save` or `wait`; it never
+deletes or replaces an earlier step.
 """
 
 from __future__ import annotations
@@ -31,7 +39,16 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from tfx.train import checksums
+
 _LEAF_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float)
+# Item names inside a step: "default" is what orbax named the only item of steps written
+# before checksums were added, so those steps read as new ones without their checksums.
+_STATE, _CHECKSUMS = "default", "checksums"
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint step is unreadable or its arrays do not match their checksums."""
 
 
 class Checkpoints:
@@ -44,7 +61,8 @@ class Checkpoints:
         ValueError lists the differing keys (dotted paths, old vs new) and nothing is written.
       keep: how many of the newest steps to keep (>= 1).
       async_save: write in a background thread; `save` returns once the arrays are copied
-        to host memory. Call `wait` (or `close`) before reading the files from elsewhere.
+        to host memory. Call `wait` (or `close`) before reading the files from elsewhere,
+        and `check` after every training step to hear of a failed write at once.
     """
 
     def __init__(self, directory: str | os.PathLike, *, config: dict, keep: int = 3,
@@ -64,14 +82,18 @@ class Checkpoints:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save,
             cleanup_tmp_directories=True, create=True)
-        # Naming the handler lets a fresh manager read metadata before its first save/restore.
+        # Naming the handlers lets a fresh manager read metadata before its first save or
+        # restore.
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler())
+            self.directory, options=options,
+            item_handlers={_STATE: ocp.StandardCheckpointHandler(),
+                           _CHECKSUMS: ocp.JsonCheckpointHandler()})
         if not config_path.exists() and jax.process_index() == 0:
             tmp = config_path.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             os.replace(tmp, config_path)  # atomic: a reader sees no half-written config
         self._unreadable: set[int] = set()  # steps that `restore` could not read
+        self._pending: int | None = None  # the step of the latest save, named in its errors
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when there is none."""
@@ -82,7 +104,8 @@ class Checkpoints:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
-        """Save `state` as checkpoint `step`, then delete all but the newest `keep` steps.
+        """Save `state` and its checksums as checkpoint `step`, then delete all but the newest
+        `keep` steps (only once the new step has committed).
 
         Args:
           step: the training step, an int >= 0. A step that already exists raises ValueError,
@@ -112,14 +135,18 @@ class Checkpoints:
                 raise ValueError(f"step {step} is already saved in {self.directory}")
             self._manager.delete(step)
         self._unreadable.discard(step)
-        try:
-            return self._manager.save(step, args=ocp.args.StandardSave(state), force=force)
+        self._pending = step
+        try:  # checksums of the arrays as they are now, before training changes them
+            items = {_STATE: ocp.args.StandardSave(state),
+                     _CHECKSUMS: ocp.args.JsonSave(checksums.record(state))}
+            return self._manager.save(step, args=ocp.args.Composite(**items), force=force)
         except Exception as e:
             e.add_note(f"while saving checkpoint step {step} in {self.directory}; "
                        "earlier steps are untouched")
             raise
 
-    def restore(self, template: Any, step: int | None = None) -> tuple[int, Any] | None:
+    def restore(self, template: Any, step: int | None = None, *,
+                strict: bool = False) -> tuple[int, Any] | None:
         """Restore a checkpoint into the structure, dtypes and shardings of `template`.
 
         Args:
@@ -127,15 +154,23 @@ class Checkpoints:
             ``jax.ShapeDtypeStruct`` (with ``sharding=`` for jax arrays). Numpy leaves restore
             as numpy, jax leaves as jax.Array with the template's sharding.
           step: the step to restore; None means the newest readable one: when a checkpoint
-            is unreadable (missing or truncated files, bad metadata) a warning names it and
-            the error, and the next older step is tried.
+            is unreadable (missing or truncated files, bad metadata, arrays that do not match
+            their checksums) a warning names it and the error, and the next older step is
+            tried.
+          strict: never fall back: a newest (or requested) step that is unreadable raises
+            CorruptCheckpointError. For readers such as `tfx eval`, which must not report
+            the numbers of an older step as the newest one's.
         Returns:
           ``(step, state)``, or None when the directory holds no checkpoint.
         Raises:
           ValueError: the checkpoint's tree structure or shapes differ from `template` (a
-            checkpoint of another model config), the requested `step` is missing or
-            unreadable, or no checkpoint at all is readable.
+            checkpoint of another model config), the requested `step` is missing, or no
+            checkpoint at all is readable.
+          CorruptCheckpointError (a ValueError): the requested `step` is unreadable, or with
+            `strict`, the newest one is.
         """
+        if not isinstance(strict, bool):
+            raise TypeError(f"strict must be a bool, got {strict!r}")
         self.wait()
         steps = self.all_steps()[::-1]
         if step is not None:
@@ -147,30 +182,71 @@ class Checkpoints:
         abstract = jax.tree.map(_abstract, template)
         errors = []
         for s in steps:
-            try:  # orbax reads the tree and array metadata here: a cheap corruption check
-                stored = self._manager.item_metadata(s)
-                if stored is None:
-                    raise FileNotFoundError("checkpoint metadata is missing")
-                mismatch = _mismatch(abstract, stored.tree)
-                if not mismatch:
-                    return s, self._manager.restore(s, args=ocp.args.StandardRestore(abstract))
+            try:
+                mismatch, state = self._read(s, abstract)
             except Exception as e:
                 self._unreadable.add(s)
+                problem = (f"checkpoint step {s} in {self.directory} is unreadable "
+                           f"({type(e).__name__}: {e})")
+                if strict or step is not None:  # a step asked for by name has no fallback
+                    raise CorruptCheckpointError(problem + "; not falling back to an older "
+                                                 "step") from e
                 errors.append(f"step {s}: {type(e).__name__}: {e}")
-                warnings.warn(f"checkpoint step {s} in {self.directory} is unreadable "
-                              f"({type(e).__name__}: {e})", RuntimeWarning, stacklevel=2)
+                warnings.warn(problem + "; trying the previous step", RuntimeWarning,
+                              stacklevel=2)
                 continue
-            raise ValueError(f"checkpoint step {s} in {self.directory} does not match the "
-                             f"template (a checkpoint of another model config?): {mismatch}")
+            if mismatch:
+                raise ValueError(f"checkpoint step {s} in {self.directory} does not match the "
+                                 f"template (a checkpoint of another model config?): {mismatch}")
+            return s, state
         raise ValueError(f"no readable checkpoint in {self.directory}:\n" + "\n".join(errors))
+
+    def _read(self, step: int, abstract: Any) -> tuple[str, Any]:
+        """(mismatch, state): where `abstract` differs from the step's tree ('' if nowhere),
+        else the state read, verified against its checksums and cast to `abstract`'s dtypes.
+        Raises whatever orbax raises on unreadable files, or CorruptCheckpointError."""
+        metadata = self._manager.item_metadata(step)  # orbax reads the tree and array metadata
+        stored = None if metadata is None else metadata.get(_STATE)
+        if stored is None:
+            raise FileNotFoundError("checkpoint metadata is missing")
+        mismatch = _mismatch(abstract, stored.tree)
+        if mismatch:
+            return mismatch, None
+        if _CHECKSUMS not in metadata:
+            warnings.warn(f"checkpoint step {step} in {self.directory} has no checksums "
+                          "(written before tfx saved them): restored unverified", stacklevel=3)
+            items = {_STATE: ocp.args.StandardRestore(abstract)}
+            return "", self._manager.restore(step, args=ocp.args.Composite(**items))[_STATE]
+        # Read the arrays as stored, so that their checksums can be compared, then cast.
+        items = {_STATE: ocp.args.StandardRestore(_as_stored(abstract, stored.tree)),
+                 _CHECKSUMS: ocp.args.JsonRestore()}
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        bad = checksums.mismatches(restored[_STATE], restored[_CHECKSUMS])
+        if bad:
+            shown = ", ".join(bad[:10]) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+            raise CorruptCheckpointError(f"arrays differ from their checksums: {shown}")
+        return "", jax.tree.map(_cast, restored[_STATE], abstract)
+
+    def check(self) -> None:
+        """Raise now if the background save has failed; never waits for one still writing.
+
+        Cheap (a flag read when a save is in progress): call it after every training step.
+        Raises the save's error with a note naming the step and the directory; the steps
+        saved before it are kept (a failed save deletes none).
+        """
+        if not self._manager.is_saving_in_progress():
+            self.wait()  # the background save is over: returns at once, or raises its error
 
     def wait(self) -> None:
         """Block until the pending background save has committed (re-raising its error)."""
         try:
             self._manager.wait_until_finished()
         except Exception as e:
-            e.add_note(f"a background checkpoint save in {self.directory} failed; "
-                       "earlier steps are untouched")
+            # orbax dropped the steps that this save would have rotated out from its list,
+            # but they are still on disk: read the list again so that they stay usable.
+            self._manager.reload()
+            e.add_note(f"a background save of checkpoint step {self._pending} in "
+                       f"{self.directory} failed; earlier steps are untouched")
             raise
 
     def close(self) -> None:
@@ -194,6 +270,31 @@ def _abstract(leaf: Any) -> Any:
     if isinstance(leaf, np.ndarray):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
     return leaf  # ShapeDtypeStruct or python scalar
+
+
+def _as_stored(abstract: Any, stored: Any) -> Any:
+    """`abstract` with each array leaf's dtype set to the checkpoint's (`stored`: orbax's tree
+    metadata), so that the arrays read are the bits that were checksummed. A dtype that jax
+    would narrow (float64 without jax_enable_x64) is read into host memory instead."""
+    dtypes = {k: getattr(v, "dtype", None)
+              for k, v in ocp.tree.to_flat_dict(stored, sep="/").items()}
+    flat = ocp.tree.to_flat_dict(abstract, sep="/")
+    for key, leaf in flat.items():
+        dtype = dtypes.get(key)
+        if (isinstance(leaf, jax.ShapeDtypeStruct) and dtype is not None and leaf.dtype != dtype
+                and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)):
+            narrowed = jax.dtypes.canonicalize_dtype(dtype) != dtype
+            flat[key] = jax.ShapeDtypeStruct(leaf.shape, dtype,
+                                             sharding=None if narrowed else leaf.sharding)
+    return ocp.tree.from_flat_dict(flat, target=abstract, sep="/")
+
+
+def _cast(value: Any, target: Any) -> Any:
+    """A restored leaf in the dtype (and sharding) that its template leaf `target` asks for."""
+    if not isinstance(target, jax.ShapeDtypeStruct) or value.dtype == target.dtype:
+        return value
+    value = value.astype(target.dtype)
+    return value if target.sharding is None else jax.device_put(value, target.sharding)
 
 
 def _stored_shape(leaf: Any) -> tuple[int, ...]:
