@@ -75,7 +75,8 @@ def dot_product_attention(
         heads are never repeated in memory.
       value: [batch, kv_len, num_kv_heads, value_dim], same dtype as query and key.
       bias: optional float array broadcastable to [batch, num_heads, q_len, kv_len], added to the
-        scaled scores (ALiBi, T5 relative bias, ...).
+        scaled scores (ALiBi, T5 relative bias, ...). A -inf entry hides its key exactly as a
+        False in `mask` does.
       mask: optional bool array broadcastable to [batch, num_heads, q_len, kv_len];
         True = may attend.
       is_causal: query i sees keys j <= i (top-left aligned, as `jax.nn.dot_product_attention`).
@@ -99,8 +100,10 @@ def dot_product_attention(
         (BLOCK_Q, BLOCK_K), each capped at its sequence length.
     Returns:
       [batch, q_len, num_heads, value_dim] in the dtype of value. Scores and softmax statistics
-      are float32 for every input dtype. A query row with no visible key returns zeros and has
-      finite (zero) gradients.
+      are float32 for every input dtype. A query row with no visible key (masked, hidden by a
+      -inf bias, or kv_len = 0) returns zeros and has finite (zero) gradients; an empty batch,
+      q_len, num_heads or value_dim gives the empty result. num_kv_heads and head_dim must be
+      >= 1.
     """
     cross_segments = key_segment_ids is not None
     if key_segment_ids is None:
@@ -122,6 +125,8 @@ def dot_product_attention(
     implementation = _resolve_implementation(implementation, platform, case)
     if scale is None:
         scale = 1.0 / float(np.sqrt(head_dim))
+    if _nothing_to_attend(query.shape, kv_len, value_dim):
+        return jnp.zeros((*query.shape[:3], value_dim), value.dtype)
     # CPU runs the Pallas kernels only through the interpreter.
     interpret = platform == "cpu"
     if implementation == "cudnn":
@@ -158,18 +163,19 @@ def cached_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
     Args:
       query: [batch, q_len, num_heads, head_dim].
       key: [batch, num_kv_heads, kv_len, head_dim]; value: [batch, num_kv_heads, kv_len, value_dim].
-      bias, mask, scale: as in `dot_product_attention`.
+      bias, mask, scale: as in `dot_product_attention` (a -inf bias hides its key).
     Returns:
-      [batch, q_len, num_heads, value_dim] in the dtype of value.
+      [batch, q_len, num_heads, value_dim] in the dtype of value; zeros for rows that see no
+      key, and for kv_len = 0.
     """
     _checks.floating("query", query, ndim=4, layout="[batch, q_len, num_heads, head_dim]")
     _checks.floating("key", key, ndim=4, layout="[batch, num_kv_heads, kv_len, head_dim]")
     _checks.floating("value", value, ndim=4, layout="[batch, num_kv_heads, kv_len, value_dim]")
     batch, q_len, num_heads, head_dim = query.shape
-    if key.shape[0] != batch or key.shape[3] != head_dim or value.shape[:3] != key.shape[:3] \
-            or num_heads % key.shape[1]:
+    if key.shape[0] != batch or key.shape[3] != head_dim or value.shape[:3] != key.shape[:3]:
         raise ValueError(f"key {key.shape} and value {value.shape} must be [batch={batch}, "
                          f"num_kv_heads dividing {num_heads}, kv_len, head_dim={head_dim}]")
+    _check_heads(num_heads, key.shape[1], head_dim)
     scores_shape = (batch, num_heads, q_len, key.shape[2])
     axes = "[batch, num_heads, q_len, kv_len]"
     if bias is not None:
@@ -179,7 +185,26 @@ def cached_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
         _checks.broadcastable("mask", mask.shape, scores_shape, axes)
     if scale is None:
         scale = 1.0 / float(np.sqrt(head_dim))
+    if _nothing_to_attend(query.shape, key.shape[2], value.shape[3]):
+        return jnp.zeros((*query.shape[:3], value.shape[3]), value.dtype)
     return _reference_attention(query, key, value, bias, mask, scale, kv_layout="bksd")
+
+
+def _check_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Require num_kv_heads >= 1 dividing num_heads, and head_dim >= 1 (the default scale is
+    1/sqrt(head_dim)); num_heads may be 0 (an empty output)."""
+    if num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads (key and value dim 2) must be >= 1, got {num_kv_heads}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
+    if head_dim < 1:
+        raise ValueError(f"head_dim (query and key dim 3) must be >= 1, got {head_dim}")
+
+
+def _nothing_to_attend(query_shape: tuple[int, ...], kv_len: int, value_dim: int) -> bool:
+    """Whether the output is empty or no key exists. Without keys every row is fully masked,
+    which returns zeros by the documented rule; the kernels need at least one key and one row."""
+    return 0 in (*query_shape[:3], kv_len, value_dim)
 
 
 def _resolve_implementation(implementation: str | None, platform: str,
@@ -272,10 +297,15 @@ def _reference_attention(query, key, value, bias, mask, scale, kv_layout="bskd")
         f"btkgd,{kv_layout}->bkgts", grouped_query, key, preferred_element_type=jnp.float32
     )
     logits = logits * jnp.float32(scale)
+    mask = None if mask is None else _grouped(mask, num_kv_heads)
     if bias is not None:
-        logits = logits + _grouped(bias, num_kv_heads).astype(jnp.float32)
+        bias = _grouped(bias, num_kv_heads)
+        logits = logits + bias.astype(jnp.float32)
+        # A -inf bias hides its key as the mask does, so that a row it hides entirely returns
+        # zeros with zero gradients (as in the blocked kernel) instead of exp(-inf + inf) = NaN.
+        visible = ~jnp.isneginf(bias)
+        mask = visible if mask is None else mask & visible
     if mask is not None:
-        mask = _grouped(mask, num_kv_heads)
         logits = jnp.where(mask, logits, _MASKED_LOGIT)
     # Softmax is shift invariant, so the row max needs no gradient.
     row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
@@ -322,8 +352,7 @@ def _validate(query, key, value, bias, mask, is_causal, scale, sparsity) -> None
             "[batch, kv_len, num_kv_heads]"
         )
     num_kv_heads = key.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
+    _check_heads(num_heads, num_kv_heads, head_dim)
     scores_shape = (batch, num_heads, q_len, key.shape[1])
     axes = "[batch, num_heads, q_len, kv_len]"
     if bias is not None:

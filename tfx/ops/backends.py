@@ -161,6 +161,13 @@ def _self_attention_lengths(platform, case):
                 f"(got {case.q_len} and {case.kv_len})")
 
 
+def _x64_disabled(platform, case):
+    # jax's Pallas GPU kernel mixes its int32 program ids with Python ints, which x64 makes
+    # int64: its causal forward and its backward then fail to trace.
+    if jax.config.jax_enable_x64:
+        return "jax_enable_x64 off (jax's Pallas GPU kernel fails to trace under it)"
+
+
 def _splash_lengths(platform, case):
     if case.q_len % PALLAS_LENGTH_MULTIPLE or case.kv_len % PALLAS_LENGTH_MULTIPLE:
         return (f"q_len and kv_len multiples of {PALLAS_LENGTH_MULTIPLE} "
@@ -178,7 +185,7 @@ ATTENTION_NEEDS: dict[str, tuple[Need, ...]] = {
                    _pallas_gpu_head_dim, _value_dim_is_head_dim, _without("has_bias", "bias"),
                    _without("has_mask", "mask"),
                    _without("cross_segments", "key_segment_ids apart from query_segment_ids"),
-                   _causal_or_none, _self_attention_lengths),
+                   _causal_or_none, _self_attention_lengths, _x64_disabled),
     "splash": (_on("tpu", "cpu"), _dtype_in("float16", "bfloat16", "float32"),
                _without("has_bias", "bias"), _key_mask_only, _splash_lengths),
 }

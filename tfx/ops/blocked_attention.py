@@ -170,15 +170,17 @@ class _Kernel:
                     preferred_element_type=jnp.float32)
                 return new_max, row_sum, acc
 
-            init = (jnp.full(rows, _ROW_MAX_INIT), jnp.zeros(rows),
-                    jnp.zeros((*rows, value.shape[-1])))
+            # Explicit float32: under jax_enable_x64 a bare jnp.zeros would be float64, and the
+            # branches of the tile-skipping `cond` must return the same dtypes.
+            init = (jnp.full(rows, _ROW_MAX_INIT, jnp.float32), jnp.zeros(rows, jnp.float32),
+                    jnp.zeros((*rows, value.shape[-1]), jnp.float32))
             row_max, row_sum, acc = self._each_tile(inputs, qb, compute, init)
             has_keys = row_sum > 0.0
             safe_sum = jnp.where(has_keys, row_sum, 1.0)
             log_sum_exp = jnp.where(has_keys, row_max + jnp.log(safe_sum), 0.0)
             return acc / safe_sum[..., None], log_sum_exp
 
-        out, log_sum_exp = jax.lax.map(query_block, jnp.arange(q_len // self.block_q))
+        out, log_sum_exp = jax.lax.map(query_block, _block_indices(q_len // self.block_q))
         out, log_sum_exp = _unblock(out), _unblock(log_sum_exp)
         return out, (query, key, value, inputs, out, log_sum_exp)
 
@@ -226,7 +228,7 @@ class _Kernel:
 
         init = (zeros(key), zeros(value), None if bias is None else zeros(bias))
         (d_key, d_value, d_bias), d_query = jax.lax.scan(
-            query_block, init, jnp.arange(query.shape[3] // self.block_q))
+            query_block, init, _block_indices(query.shape[3] // self.block_q))
         d_inputs = ScoreInputs(bias=None if bias is None else d_bias.astype(bias.dtype))
         return (_unblock(d_query).astype(query.dtype), d_key.astype(key.dtype),
                 d_value.astype(value.dtype), d_inputs)
@@ -254,7 +256,14 @@ def _unblock(x):
     return x.reshape(*x.shape[:3], -1, *x.shape[5:])
 
 
+def _block_indices(num_blocks: int) -> jax.Array:
+    """int32 [num_blocks]: block indices of the same int type as the plan's tables, also under
+    jax_enable_x64 (where a bare arange is int64 and dynamic slices refuse mixed index types)."""
+    return jnp.arange(num_blocks, dtype=jnp.int32)
+
+
 def _accumulate(total, update, starts):
     """total[starts : starts + update.shape] += update (in place in XLA's loop buffers)."""
+    starts = tuple(jnp.asarray(start, jnp.int32) for start in starts)  # one index type (x64)
     current = jax.lax.dynamic_slice(total, starts, update.shape)
     return jax.lax.dynamic_update_slice(total, current + update, starts)

@@ -129,7 +129,7 @@ class KVCache:
         cache_len = self.positions.shape[1]
         counts = jnp.cumsum(valid, axis=1, dtype=jnp.int32)
         query_positions = self.next_position[:, None] + counts - 1
-        next_position = self.next_position + counts[:, -1]
+        next_position = self.next_position + jnp.sum(valid, axis=1, dtype=jnp.int32)
         keep = valid
         if self.window is not None:  # only the last `cache_len` tokens of the chunk fit
             keep = keep & (query_positions >= next_position[:, None] - cache_len)

@@ -16,6 +16,12 @@ from tfx.ops import _checks
 __all__ = ["filter_logits", "sample_logits"]
 
 
+def _check_logits(logits) -> None:
+    _checks.floating("logits", logits, ndim=2, layout="[batch, vocab]")
+    if logits.shape[1] < 1:  # batch may be 0 (an empty result); a choice needs a token
+        raise ValueError(f"logits must have vocab >= 1 tokens, got shape {tuple(logits.shape)}")
+
+
 @jax.jit
 def filter_logits(logits: jax.Array, *, top_k: jax.Array | None = None,
                   top_p: jax.Array | None = None) -> jax.Array:
@@ -28,7 +34,7 @@ def filter_logits(logits: jax.Array, *, top_k: jax.Array | None = None,
     Returns:
       float32 [batch, vocab].
     """
-    _checks.floating("logits", logits, ndim=2, layout="[batch, vocab]")
+    _check_logits(logits)
     logits = logits.astype(jnp.float32)
     if top_k is None and top_p is None:
         return logits
@@ -60,7 +66,7 @@ def sample_logits(logits: jax.Array, rng: jax.Array | None, *, temperature: jax.
     Returns:
       int32 [batch].
     """
-    _checks.floating("logits", logits, ndim=2, layout="[batch, vocab]")
+    _check_logits(logits)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if rng is None:
         return greedy

@@ -64,11 +64,16 @@ def experts_ffn(x: jax.Array, routing: Routing, weights: ExpertWeights, *,
         implementations are plain XLA and ignore it.
     Returns:
       [tokens, d_model] in x's dtype; zero for a token whose every assignment was dropped.
+      Each token's row depends on that token alone: a token with a non-finite x (or an
+      expert output that overflows) gets a NaN row when any of its assignments is kept and
+      changes no other token's row; a dropped assignment contributes exactly zero.
     """
     if implementation is None:
         implementation = select_grouped_matmul(current_platform())
     _check(x, routing, weights, activation, implementation, interpret)
     _checks.positive_int("block_size", block_size)
+    if 0 in (*x.shape, weights.up.shape[2]):  # no token, feature or hidden unit: sums of nothing
+        return jnp.zeros_like(x)
     if implementation == "onehot":
         return _onehot(x, routing, weights, activation)
     if implementation == "sorted":
@@ -130,10 +135,24 @@ def batched_experts(xe, weights: ExpertWeights, activation: str):
 
 def combine_rows(rows, destination, routing: Routing, dtype):
     """out[t] = Σ_j kept · weight · rows[destination[t, j]]. rows [R, d]; destination
-    int [tokens, k] (any value where not kept)."""
-    gate = jnp.where(routing.kept, routing.weights, 0.0).astype(dtype)
-    picked = jnp.take(rows, jnp.where(routing.kept, destination, 0), axis=0)
-    return jnp.einsum("tk,tkd->td", gate, picked)
+    int [tokens, k] (any value where not kept).
+
+    Selected with `where`, never multiplied by 0 (0 · NaN = NaN): a dropped assignment gives
+    exactly 0 whatever row it would read, and a token with a non-finite kept row gets a NaN
+    row (`_poison_tokens`)."""
+    kept = routing.kept
+    gate = jnp.where(kept, routing.weights, 0.0).astype(dtype)
+    picked = jnp.take(rows, jnp.where(kept, destination, 0), axis=0)
+    picked = jnp.where(kept[..., None], picked, 0)
+    out = jnp.einsum("tk,tkd->td", gate, picked)
+    return _poison_tokens(out, (kept & ~jnp.isfinite(picked).all(-1)).any(-1))
+
+
+def _poison_tokens(out, bad):
+    """out [tokens, d] with the rows of the `bad` tokens (bool [tokens]) set to NaN: a token
+    whose own expert computation is not finite (non-finite x, or an overflow) gets NaN in every
+    implementation, where the einsums of "onehot" would otherwise spread it to every token."""
+    return jnp.where(bad[:, None], jnp.nan, out)
 
 
 def gather_rows(x, destination, kept, num_rows: int):
@@ -199,6 +218,15 @@ def _onehot(x, routing: Routing, weights, activation):
              * jax.nn.one_hot(routing.slot, capacity, dtype=x.dtype)[..., None, :])
     place = place * routing.kept[..., None, None].astype(x.dtype)
     dispatch = place.sum(1)
-    combine = jnp.einsum("tkec,tk->tec", place, routing.weights.astype(x.dtype))
-    xe = jnp.einsum("tec,td->ecd", dispatch, x)
-    return jnp.einsum("tec,ecd->td", combine, batched_experts(xe, weights, activation))
+    gate = jnp.where(routing.kept, routing.weights, 0.0).astype(x.dtype)
+    combine = jnp.einsum("tkec,tk->tec", place, gate)
+    # Both einsums sum over tokens, where one non-finite value times the zeros of the one-hot
+    # tensors would make every token NaN: they see finite values only, and the tokens whose
+    # own rows are not finite are poisoned afterwards, as a per-token computation gives.
+    finite = jnp.isfinite(x)
+    xe = jnp.einsum("tec,td->ecd", dispatch, jnp.where(finite, x, 0))
+    ye = batched_experts(xe, weights, activation)
+    bad_input = jnp.einsum("tec,t->ec", dispatch, (~finite.all(-1)).astype(x.dtype)) > 0
+    bad_slot = bad_input | ~jnp.isfinite(ye).all(-1)
+    out = jnp.einsum("tec,ecd->td", combine, jnp.where(bad_slot[..., None], 0, ye))
+    return _poison_tokens(out, jnp.einsum("tec,ec->t", dispatch, bad_slot.astype(x.dtype)) > 0)

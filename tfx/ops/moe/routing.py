@@ -20,7 +20,16 @@ Definitions (see REFERENCES.md, "MoE"):
 - load_balancing_loss = E · Σ_i f_i · P_i, f_i the fraction of the tokens·k top-k choices that
   picked expert i, P_i the mean probability of expert i: 1 when balanced, E when collapsed onto
   one expert. (Hugging Face's Mixtral loss scores a balanced router k, not 1.)
-- router_z_loss = mean over tokens of logsumexp(logits)² (ST-MoE).
+- router_z_loss = mean over tokens of logsumexp(logits)² (ST-MoE);
+- non-finite logits follow one rule, under every policy, so that weights are never NaN and a
+  token's bad logits change no other token's routing: a NaN or -inf logit marks an expert the
+  token never chooses (P = 0, and it is left out of the z-loss's logsumexp); a token with
+  fewer than k choosable experts leaves its remaining assignments not kept (weight 0, no
+  capacity), and a token with none routes nowhere and counts in neither loss, as a masked
+  token. +inf logits take softmax's limit: the token's probability is shared equally by its
+  +inf experts and the others get 0, so with at least k of them its k weights are equal (1/k
+  renormalised); its z-loss is then +inf, the loss's true value. Under "deepseek",
+  σ(+inf) = 1 is already finite and needs no rule.
 """
 
 from __future__ import annotations
@@ -50,7 +59,8 @@ class Routing:
     """Where each token goes.
 
     expert_ids: int32 [tokens, k], the chosen experts, most probable first.
-    weights: float32 [tokens, k], the combine weights (not zeroed where dropped).
+    weights: float32 [tokens, k], the combine weights (not zeroed where dropped); finite
+      whatever the logits (the module docstring's rule for non-finite logits).
     kept: bool [tokens, k], False where capacity, GShard's random second choice or the token
       mask dropped the assignment.
     slot: int32 [tokens, k], the assignment's place in its expert's queue (priority order);
@@ -101,7 +111,8 @@ def route(router_logits: jax.Array, *, num_selected: int, policy: str = "topk",
     """Route each token to `num_selected` experts.
 
     Args:
-      router_logits: float [tokens, num_experts].
+      router_logits: float [tokens, num_experts]; NaN and ±inf entries follow the rule of
+        the module docstring (NaN and -inf: never chosen; +inf: softmax's limit).
       num_selected: k, experts per token (2 for "gshard").
       policy: "topk", "gshard" or "deepseek" (see the module docstring).
       capacity_factor: > 0 for a capacity of ceil(cf · tokens · k / E) per expert; None for
@@ -117,8 +128,52 @@ def route(router_logits: jax.Array, *, num_selected: int, policy: str = "topk",
     Returns:
       a `Routing`.
     """
+    k, token_mask = _check_route(router_logits, num_selected, policy, capacity_factor, jitter,
+                                 priority, token_mask, selection_bias)
+    tokens, experts = router_logits.shape
+    renormalize = k > 1 if renormalize is None else renormalize
+    jitter_rng, second_rng = (None, None) if rng is None else jax.random.split(rng)
+
+    logits = router_logits.astype(jnp.float32)
+    choosable = logits > -jnp.inf  # False for -inf and NaN: never selected
+    # A token with no choosable expert routes nowhere and, like a masked token, counts in
+    # neither loss.
+    valid = (token_mask & choosable.any(-1)).astype(jnp.float32)
+    num_valid = jnp.maximum(valid.sum(), 1.0)
+    router_z_loss = _z_loss(logits, choosable, valid) / num_valid
+    if jitter and jitter_rng is not None:
+        logits = logits * jax.random.uniform(jitter_rng, logits.shape, jnp.float32,
+                                             minval=1.0 - jitter, maxval=1.0 + jitter)
+    probs, top, expert_ids = _choose(logits, choosable, k, policy, selection_bias)
+    chosen = jnp.take_along_axis(choosable, expert_ids, axis=-1)
+    weights = top / _nonzero(top.sum(-1, keepdims=True)) if renormalize else top
+
+    choices = jax.nn.one_hot(expert_ids, experts, dtype=jnp.float32) * (
+        valid[:, None] * chosen)[..., None]
+    fraction = choices.sum((0, 1)) / (num_valid * k)
+    mean_prob = (probs * valid[:, None]).sum(0) / num_valid
+    load_balancing_loss = experts * jnp.sum(fraction * mean_prob)
+
+    selected = token_mask[:, None] & chosen
+    if policy == "gshard" and second_rng is not None:
+        keep_second = 2.0 * weights[:, 1] > jax.random.uniform(second_rng, (tokens,), jnp.float32)
+        selected = selected.at[:, 1].set(selected[:, 1] & keep_second)
+    capacity = expert_capacity(tokens, experts, k, capacity_factor)
+    slot = _queue_slots(expert_ids, selected, top[:, 0], experts, priority)
+    kept = selected if capacity is None else selected & (slot < capacity)
+    return Routing(expert_ids=expert_ids.astype(jnp.int32), weights=weights, kept=kept,
+                   slot=slot, load_balancing_loss=load_balancing_loss,
+                   router_z_loss=router_z_loss, capacity=capacity)
+
+
+def _check_route(router_logits, num_selected, policy, capacity_factor, jitter, priority,
+                 token_mask, selection_bias) -> tuple[int, jax.Array]:
+    """Validate `route`'s arguments; returns (k, the token mask, all True when None)."""
     _checks.floating("router_logits", router_logits, ndim=2, layout="[tokens, num_experts]")
     tokens, experts = router_logits.shape
+    if experts < 1:
+        raise ValueError(f"router_logits must have num_experts >= 1, got shape "
+                         f"{tuple(router_logits.shape)}")
     k = _checks.positive_int("num_selected", num_selected)
     if k > experts:
         raise ValueError(f"num_selected ({k}) must be <= num_experts ({experts})")
@@ -140,53 +195,60 @@ def route(router_logits: jax.Array, *, num_selected: int, policy: str = "topk",
             raise ValueError(f"selection_bias must be [num_experts] = ({experts},), got shape "
                              f"{tuple(selection_bias.shape)}")
     if token_mask is None:
-        token_mask = jnp.ones((tokens,), bool)
-    else:
-        _checks.boolean("token_mask", token_mask)
-        if token_mask.shape != (tokens,):
-            raise ValueError(f"token_mask must be bool [tokens] = ({tokens},), got shape "
-                             f"{tuple(token_mask.shape)}")
-    renormalize = k > 1 if renormalize is None else renormalize
-    jitter_rng, second_rng = (None, None) if rng is None else jax.random.split(rng)
-
-    logits = router_logits.astype(jnp.float32)
-    valid = token_mask.astype(jnp.float32)
-    num_valid = jnp.maximum(valid.sum(), 1.0)
-    router_z_loss = (jax.nn.logsumexp(logits, axis=-1) ** 2 * valid).sum() / num_valid
-    if jitter and jitter_rng is not None:
-        logits = logits * jax.random.uniform(jitter_rng, logits.shape, minval=1.0 - jitter,
-                                             maxval=1.0 + jitter)
-    probs, top, expert_ids = _choose(logits, k, policy, selection_bias)
-    weights = top / top.sum(-1, keepdims=True) if renormalize else top
-
-    choices = jax.nn.one_hot(expert_ids, experts, dtype=jnp.float32) * valid[:, None, None]
-    fraction = choices.sum((0, 1)) / (num_valid * k)
-    mean_prob = (probs * valid[:, None]).sum(0) / num_valid
-    load_balancing_loss = experts * jnp.sum(fraction * mean_prob)
-
-    selected = jnp.broadcast_to(token_mask[:, None], (tokens, k))
-    if policy == "gshard" and second_rng is not None:
-        keep_second = 2.0 * weights[:, 1] > jax.random.uniform(second_rng, (tokens,))
-        selected = selected.at[:, 1].set(selected[:, 1] & keep_second)
-    capacity = expert_capacity(tokens, experts, k, capacity_factor)
-    slot = _queue_slots(expert_ids, selected, top[:, 0], experts, priority)
-    kept = selected if capacity is None else selected & (slot < capacity)
-    return Routing(expert_ids=expert_ids.astype(jnp.int32), weights=weights, kept=kept,
-                   slot=slot, load_balancing_loss=load_balancing_loss,
-                   router_z_loss=router_z_loss, capacity=capacity)
+        return k, jnp.ones((tokens,), bool)
+    _checks.boolean("token_mask", token_mask)
+    if token_mask.shape != (tokens,):
+        raise ValueError(f"token_mask must be bool [tokens] = ({tokens},), got shape "
+                         f"{tuple(token_mask.shape)}")
+    return k, token_mask
 
 
-def _choose(logits, k: int, policy: str, selection_bias):
+def _z_loss(logits, choosable, valid) -> jax.Array:
+    """Σ over valid tokens of logsumexp² of their choosable logits (ST-MoE's z-loss, unscaled)."""
+    has_expert = choosable.any(-1, keepdims=True)
+    # A token without a choosable expert (never valid) reads zeros, so that its logsumexp is
+    # finite and the discarded branch gives no NaN gradient.
+    masked = jnp.where(choosable, logits, jnp.where(has_expert, -jnp.inf, 0.0))
+    log_sum_exp = jax.nn.logsumexp(masked, axis=-1)
+    return jnp.where(valid > 0, log_sum_exp**2, 0.0).sum()
+
+
+def _nonzero(x: jax.Array) -> jax.Array:
+    """x with zeros replaced by 1: a divisor for sums that are 0 only when every term is."""
+    return jnp.where(x > 0, x, 1.0)
+
+
+def _choose(logits, choosable, k: int, policy: str, selection_bias):
     """(P [tokens, E]: the probabilities of the load-balancing loss, the chosen experts'
-    scores [tokens, k], their ids [tokens, k])."""
+    weights before renormalisation [tokens, k], their ids [tokens, k]). Experts that are not
+    `choosable` get P = 0 and rank below every choosable one (they are chosen only where a
+    token has fewer than k choosable experts, and then not kept)."""
     if policy != "deepseek":
-        probs = jax.nn.softmax(logits, axis=-1)
-        return (probs, *jax.lax.top_k(probs, k))
-    scores = jax.nn.sigmoid(logits)
-    choice = scores if selection_bias is None else scores + selection_bias.astype(jnp.float32)
-    _, expert_ids = jax.lax.top_k(choice, k)
-    top = jnp.take_along_axis(scores, expert_ids, axis=-1)
-    return scores / scores.sum(-1, keepdims=True), top, expert_ids
+        probs = _softmax_limit(logits, choosable)
+        ranking, weights = logits, probs  # by logit: probabilities that underflow to 0 still rank
+    else:
+        # The inner where keeps NaN out of the sigmoid's gradient (0 · σ'(NaN) = NaN).
+        scores = jnp.where(choosable, jax.nn.sigmoid(jnp.where(choosable, logits, 0.0)), 0.0)
+        probs = scores / _nonzero(scores.sum(-1, keepdims=True))
+        ranking = scores if selection_bias is None else scores + selection_bias.astype(jnp.float32)
+        weights = scores
+    _, expert_ids = jax.lax.top_k(jnp.where(choosable, ranking, -jnp.inf), k)
+    return probs, jnp.take_along_axis(weights, expert_ids, axis=-1), expert_ids
+
+
+def _softmax_limit(logits, choosable):
+    """float32 [tokens, E]: softmax over each token's choosable experts (0 for the others; all 0
+    when none is). Where some logits are +inf it is softmax's limit: equal shares for the +inf
+    experts, 0 for the rest."""
+    infinite = choosable & (logits == jnp.inf)
+    finite = choosable & (logits < jnp.inf)
+    shift = jax.lax.stop_gradient(jnp.max(jnp.where(finite, logits, -jnp.inf), -1, keepdims=True))
+    # The inner where keeps inf - inf and NaN out of exp and out of its gradient.
+    exp = jnp.where(finite, jnp.exp(jnp.where(finite, logits - shift, 0.0)), 0.0)
+    softmax = exp / _nonzero(exp.sum(-1, keepdims=True))
+    count = infinite.sum(-1, keepdims=True, dtype=jnp.float32)  # float32 also under x64
+    shares = infinite / jnp.maximum(count, 1.0)
+    return jnp.where(infinite.any(-1, keepdims=True), shares, softmax)
 
 
 def expert_load(routing: Routing, num_experts: int) -> jax.Array:

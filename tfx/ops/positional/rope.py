@@ -346,7 +346,9 @@ def apply_rope(
 
     positions = jnp.broadcast_to(positions, x.shape[:2])
     inv_freq, attention_scale = rope_frequencies(
-        rotary_dim, theta=theta, scaling=scaling, seq_len=jnp.max(positions) + 1
+        # `initial` gives an empty batch or sequence a length; only dynamic NTK reads it, and
+        # there any length up to original_max_position_embeddings means "unscaled".
+        rotary_dim, theta=theta, scaling=scaling, seq_len=jnp.max(positions, initial=0) + 1
     )
     angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [batch, seq, 1, d/2]
     cos = jnp.cos(angles) * attention_scale
