@@ -161,6 +161,24 @@ def check_jit_inside_set_mesh():
     assert_close(grads[1]["mlp"]["experts"], ref_grads[2]._asdict(), "grad experts")
 
 
+def check_nan_token_stays_local(capacity_factor):
+    """One NaN token: every other token's output (and routing) is the single-device layer's on
+    the same input, finite; the NaN stays in its own row."""
+    mesh = make_mesh(data=2, expert=4)
+    x, router, weights, _ = inputs(gated=True, seed=2)
+    x = x.at[3, 0].set(jnp.nan)
+    kwargs = dict(num_selected=2, activation="silu", capacity_factor=capacity_factor)
+    out, routing = expert_parallel_moe(x, router, weights, mesh=mesh, **kwargs)
+    if capacity_factor is None:
+        ref_out = moe(x, router, weights, implementation="onehot", **kwargs)[0]
+    else:
+        ref_out = per_group_moe(x, router, weights, 8, **kwargs)[0]
+    others = jnp.arange(TOKENS) != 3
+    assert bool(jnp.isfinite(out[others]).all()), "a NaN token reached other tokens"
+    assert_close(out[others], ref_out[others], "out")
+    assert bool(jnp.isfinite(routing.weights).all()), "routing weights must stay finite"
+
+
 MESHES = {"expert8": dict(data=1, expert=8), "data2_expert4": dict(data=2, expert=4)}
 EXPERTS_KINDS = {"k1_plain_gelu": dict(num_selected=1, gated=False, activation="gelu"),
                  "k2_gated_silu": dict(num_selected=2, gated=True, activation="silu")}
@@ -179,6 +197,9 @@ def cases():
                make_mesh(data=2, expert=4), num_selected=2, gated=True, activation="silu",
                capacity_factor=2.0, policy="gshard", rng=jax.random.key(7), jitter=0.1))
     yield "jit_inside_set_mesh", check_jit_inside_set_mesh
+    for cap_name, capacity_factor in CAPACITIES.items():
+        yield (f"nan_token_stays_local-{cap_name}",
+               lambda cf=capacity_factor: check_nan_token_stays_local(cf))
 
 
 def run_and_report(named_checks, path: str) -> None:

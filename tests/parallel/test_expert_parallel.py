@@ -24,6 +24,7 @@ CASES = [f"{mesh}-{kind}-{capacity}" for mesh in ("expert8", "data2_expert4")
          for kind in ("k1_plain_gelu", "k2_gated_silu") for capacity in ("dropless", "capacity")]
 CASES += ["data2_expert4-gshard_rng_jitter-capacity",  # per-group rng = fold_in(rng, group)
           "jit_inside_set_mesh"]  # as the MoE module calls it, with a tensor axis and a mask
+CASES += [f"nan_token_stays_local-{capacity}" for capacity in ("dropless", "capacity")]
 
 
 @pytest.fixture(scope="module")
