@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,10 +14,11 @@ import time
 import chex
 import numpy as np
 import pytest
-from train_cases import write_corpus
+from train_cases import CORPUS, write_corpus
 
 from tfx.cli import main
 from tfx.train.config import experiment_from_dict
+from tfx.train.lock import WorkdirLock
 from tfx.train.loop import Trainer
 
 TINY = ["--no-progress", "--model.num_layers=1", "--model.d_model=32", "--model.num_heads=2",
@@ -150,3 +153,89 @@ def test_train_help_lists_the_experiments_fields(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "--workdir" in out and "--model.mask-token-id" in out and "--optim.learning-rate" in out
+
+
+def _one_error_line(err: str, command: str = "train") -> str:
+    lines = [line for line in err.splitlines() if line.startswith(f"tfx {command}: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_diverging_run_exits_1_with_one_line_and_saves_no_bad_state(tmp_path, capsys):
+    corpus = write_corpus(tmp_path)
+    workdir = tmp_path / "run"
+    status = main(["train", "--workdir", str(workdir), "--steps", "4", "--log-every", "1",
+                   "--checkpoint-every", "1", "--data", str(corpus), *TINY,
+                   "--optim.learning_rate=1e12", "--optim.warmup_steps=0"])
+    assert status == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert "training diverged: step 2 had a non-finite loss" in line
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
+
+
+def test_a_busy_workdir_and_skipped_files_are_one_line_each(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text(CORPUS)
+    (data / "b.txt").write_bytes("caf\xe9".encode("latin-1"))
+    workdir = tmp_path / "run"
+    with WorkdirLock(workdir):  # as if another run held it (a second lock is refused too)
+        status = main(["train", "--workdir", str(workdir), "--data", str(data), *TINY])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert f"in use by another training run (process id {os.getpid()})" in _one_error_line(err)
+    assert f"tfx train: warning: data: skipped 1 of 2 files in {str(data)!r}: 1 not UTF-8 " \
+           "(e.g. 'b.txt')\n" in err
+    assert not (workdir / "checkpoints").exists()
+
+
+def test_an_unwritable_workdir_exits_1_with_one_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("")  # root ignores chmod: a file where a folder must be
+    workdir = tmp_path / "file" / "run"
+    status = main(["train", "--workdir", str(workdir), "--data", str(write_corpus(tmp_path)),
+                   *TINY])
+    assert status == 1
+    assert f"cannot write in the workdir {workdir}" in _one_error_line(capsys.readouterr().err)
+
+
+def test_a_full_disk_exits_1_with_the_error_and_its_notes(monkeypatch, capsys):
+    import tfx.train.loop
+
+    def full_disk(*args, **kwargs):
+        error = OSError(errno.ENOSPC, "No space left on device", "/w/checkpoints/4")
+        error.add_note("while saving checkpoint step 4 in /w/checkpoints")
+        raise error
+
+    monkeypatch.setattr(tfx.train.loop, "train", full_disk)
+    assert main(["train", "--workdir", "w", *TINY]) == 1
+    assert _one_error_line(capsys.readouterr().err) == (
+        "tfx train: error: [Errno 28] No space left on device: '/w/checkpoints/4'; "
+        "while saving checkpoint step 4 in /w/checkpoints")
+
+
+@pytest.mark.parametrize("flag", ["--workdir", "--data"])
+def test_an_empty_path_is_refused(tmp_path, monkeypatch, flag):
+    # pathlib reads "" as ".": the run read or wrote the current directory.
+    monkeypatch.chdir(tmp_path)
+    args = {"--workdir": str(tmp_path / "w"), "--data": str(write_corpus(tmp_path)), flag: ""}
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", *(x for item in args.items() for x in item), *TINY])
+    assert exit_.value.code == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]
+
+
+def test_eval_and_sample_refuse_a_damaged_newest_checkpoint(trained, tmp_path, capsys):
+    workdir = tmp_path / "run"
+    shutil.copytree(trained[0], workdir)
+    # One flipped bit in the middle of the newest step's largest data file.
+    data = max((p for p in (workdir / "checkpoints" / "4" / "default").rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+    damaged = bytearray(data.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x10
+    data.write_bytes(bytes(damaged))
+    capsys.readouterr()
+    assert main(["eval", "--workdir", str(workdir)]) == 2
+    line = _one_error_line(capsys.readouterr().err, "eval")
+    assert "step 4" in line and "not falling back" in line, line
+    assert main(["sample", "--workdir", str(workdir), "--max-new-tokens", "2"]) == 2
+    assert "step 4" in _one_error_line(capsys.readouterr().err, "sample")

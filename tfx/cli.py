@@ -14,8 +14,10 @@ Experiment fields are overridden with tyro (`--help` after the experiment lists 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+import warnings
 from pathlib import Path
 
 __all__ = ["main"]
@@ -33,15 +35,40 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognised arguments: {' '.join(rest)}")
     if args.command == "train" and args.workdir is None and not args.help:
         parser.error("tfx train: --workdir is required")
-    try:
-        from tfx.parallel import initialize
+    from tfx.train.loop import DivergenceError
 
-        # Multi-process runs (flags or TFX_* environment variables); one process: nothing.
-        initialize(args.coordinator_address, args.num_processes, args.process_id)
-        return _COMMANDS[args.command](args, rest)
+    try:
+        with warnings.catch_warnings():  # restores the previous showwarning
+            warnings.showwarning = functools.partial(_show_warning, args.command)
+            from tfx.parallel import initialize
+
+            # Multi-process runs (flags or TFX_* environment variables); one process: nothing.
+            initialize(args.coordinator_address, args.num_processes, args.process_id)
+            return _COMMANDS[args.command](args, rest)
     except (ValueError, TypeError) as error:  # a bad config, data path or workdir
         print(f"tfx {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except (DivergenceError, OSError) as error:  # the run failed: non-finite loss, full disk
+        print(f"tfx {args.command}: error: {_one_line(error)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(error: BaseException) -> str:
+    """The error's message and its notes (which say what was being done) on one line."""
+    return "; ".join(" ".join(str(part).split()) for part in
+                     (error, *getattr(error, "__notes__", ())))
+
+
+def _show_warning(command, message, category, filename, lineno, file=None, line=None):
+    """Warnings as one line for the command's user (no source location)."""
+    print(f"tfx {command}: warning: {message}", file=sys.stderr if file is None else file)
+
+
+def _nonempty_path(text: str) -> Path:
+    """An argparse type: a path, refusing "" (which pathlib reads as the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return Path(text)
 
 
 def _field_options(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -77,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
                        "experiment's fields")
     train.add_argument("experiment", nargs="?", help="experiment name (default: gpt_char); "
                        "`tfx experiments` lists them")
-    train.add_argument("--workdir", type=Path, help="where checkpoints and metrics go")
+    train.add_argument("--workdir", type=_nonempty_path, help="where checkpoints and metrics go")
     train.add_argument("--steps", type=int, help="total optimiser steps (train.steps)")
     train.add_argument("--checkpoint-every", type=int, help="train.checkpoint_every")
     train.add_argument("--log-every", type=int, help="train.log_every")
@@ -90,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     train.set_defaults(print_train_help=train.print_help)
 
     sample = commands.add_parser("sample", help="generate text from a trained run")
-    sample.add_argument("--workdir", required=True, type=Path)
+    sample.add_argument("--workdir", required=True, type=_nonempty_path)
     sample.add_argument("--prompt", default="", help="text to continue")
     sample.add_argument("--max-new-tokens", type=int, default=200)
     sample.add_argument("--temperature", type=float, default=0.8, help="0 for greedy")
@@ -100,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int, default=0)
 
     evaluate = commands.add_parser("eval", help="validation metrics of a trained run")
-    evaluate.add_argument("--workdir", required=True, type=Path)
+    evaluate.add_argument("--workdir", required=True, type=_nonempty_path)
 
     embed = commands.add_parser("embed", help="sentence embeddings (sentence-transformers "
                                 "folder, default the packaged all-MiniLM-L6-v2)")
@@ -197,7 +224,7 @@ def _restored(workdir: Path):
                          f"train one with `tfx train --workdir {workdir}`")
     experiment = experiment_from_dict(json.loads(config.read_text()))
     trainer = Trainer(experiment, workdir, sharded=False)
-    if trainer.restore() == 0:
+    if trainer.restore(strict=True) == 0:  # a damaged newest checkpoint is refused
         raise SystemExit(f"tfx: {workdir} holds no checkpoint yet")
     return trainer
 

@@ -16,11 +16,12 @@ import time
 
 if sys.argv[1] == "sharded":  # must be set before jax starts
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))  # tests/, for train_cases
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from test_checkpoint_integrity import damage_payload
+from train_cases import damage_payload
 
 from tfx.train.checkpoint import Checkpoints, CorruptCheckpointError
 

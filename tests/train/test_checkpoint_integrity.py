@@ -14,6 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from orbax.checkpoint._src.serialization import serialization
+from train_cases import damage_payload
 
 from tfx.train import checksums
 from tfx.train.checkpoint import Checkpoints, CorruptCheckpointError
@@ -28,25 +29,6 @@ def random_state(step: int) -> dict:
     rng = np.random.default_rng(step)
     return {"w": jnp.asarray(rng.integers(0, 2**31, (32, 32), dtype=np.int32)),
             "b": jnp.asarray(rng.standard_normal(8, dtype=np.float32)), "step": jnp.int32(step)}
-
-
-def damage_payload(step_dir: pathlib.Path, array: np.ndarray, how: str) -> None:
-    """Damage `array`'s bytes wherever they lie in the step's data files (orbax may keep them
-    in more than one: its per-process OCDBT database and the merged one): flip one bit, or
-    write 64 random bytes over them (what a bad disk or a partial overwrite does)."""
-    needle = np.ascontiguousarray(array).tobytes()[:64]
-    damaged = []
-    for path in (p for p in step_dir.rglob("*") if p.is_file()):
-        data = bytearray(path.read_bytes())
-        at = data.find(needle)
-        if at >= 0:
-            if how == "flip_bit":
-                data[at + 37] ^= 0x10
-            else:
-                data[at:at + 64] = np.random.default_rng(1).bytes(64)
-            path.write_bytes(bytes(data))
-            damaged.append(path)
-    assert damaged, f"the array's bytes are in no file under {step_dir}"
 
 
 def reference_checksum(words: np.ndarray) -> str:
@@ -202,3 +184,20 @@ def test_failed_background_save_is_reported_by_check(tmp_path, monkeypatch):
         ckpts.save(2, random_state(2))  # the same step saves fine once the disk has room
         ckpts.wait()
         assert ckpts.all_steps() == [2]
+
+
+def test_a_read_only_opening_writes_nothing_and_keeps_an_in_flight_save(tmp_path):
+    # What `tfx eval` / `tfx sample` / `train.init_from` open while a run trains there: a
+    # writer's opening removes orbax's temporary folders, i.e. the run's save in flight.
+    with Checkpoints(tmp_path, config=CONFIG) as ckpts:
+        ckpts.save(1, random_state(1))
+    in_flight = tmp_path / "2.orbax-checkpoint-tmp-1700000000000000"
+    in_flight.mkdir()
+    with Checkpoints(tmp_path, config=CONFIG, read_only=True) as reader:
+        assert reader.restore(random_state(0), strict=True)[0] == 1
+        with pytest.raises(ValueError, match="opened read_only"):
+            reader.save(2, random_state(2))
+    assert in_flight.is_dir()
+    with Checkpoints(tmp_path / "new", config=CONFIG, read_only=True) as reader:
+        assert reader.restore(random_state(0)) is None
+    assert not (tmp_path / "new").exists()

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from tfx.train.config import DataConfig
 from tfx.train.data import (
     STDLIB_MAX_BYTES,
     ByteTokenizer,
@@ -379,3 +380,28 @@ def test_mlm_batch_errors():
         mlm(stream, seq_len=8)  # needs 6 text tokens, the stream has 5
     with pytest.raises(ValueError, match="pad_id"):
         mlm_batch(stream, 0, 1, 4, seed=0, cls_id=1, sep_id=2, pad_id=-1)
+
+
+def test_a_folder_reports_the_files_it_skips(folder):
+    with pytest.warns(UserWarning, match=r"data: skipped 3 of 6 files in .*: 1 binary "
+                                         r"\(e\.g\. 'model\.bin'\), 1 blank \(e\.g\. "
+                                         r"'empty\.txt'\), 1 not UTF-8 \(e\.g\. 'latin1\.txt'\)"):
+        texts = text_files(folder)
+    assert len(texts) == 3
+
+
+def test_a_folder_without_text_says_what_it_skipped(tmp_path):
+    (tmp_path / "x.bin").write_bytes(b"\0\1\2")
+    with pytest.raises(ValueError, match=r"no UTF-8 text \(1 binary \(e\.g\. 'x\.bin'\)\)"):
+        text_files(tmp_path)
+
+
+@pytest.mark.parametrize("path", ["", "  "])
+def test_an_empty_data_path_is_refused(path):
+    # pathlib reads "" as ".": training read the current directory.
+    with pytest.raises(ValueError, match="data: the path must not be empty"):
+        text_files(path)
+    with pytest.raises(ValueError, match=r"data\.source must not be an empty path"):
+        DataConfig(source=path)
+    with pytest.raises(ValueError, match="tokenizer must be 'byte' or a path"):
+        load_tokenizer(path)

@@ -13,7 +13,7 @@ import pytest
 from train_cases import tiny, write_corpus
 
 from tfx.train.loop import Trainer, train
-from tfx.train.metrics import read_metrics
+from tfx.train.metrics import MetricsWriter, read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +101,55 @@ def test_a_mixture_of_experts_trains_and_logs_its_routing_losses(tmp_path, corpu
     train_records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["split"] == "train"]
     assert all(1.0 <= r["load_balancing_loss"] <= 8.0 for r in train_records)
     assert all(r["router_z_loss"] > 0 for r in train_records)
+
+
+def test_a_resumed_run_says_from_which_step(tmp_path, corpus, capsys):
+    experiment = tiny("gpt_char", corpus, steps=2, log_every=1, eval_every=2,
+                      checkpoint_every=1)
+    train(experiment, tmp_path, progress=False)
+    assert "resumed" not in capsys.readouterr().out
+    shutil.rmtree(tmp_path / "checkpoints" / "2")
+    train(experiment, tmp_path, progress=False)
+    assert "resumed from step 1" in capsys.readouterr().out
+
+
+def test_an_empty_workdir_path_is_refused(corpus):
+    # pathlib reads "" as ".": the run went into the current directory.
+    with pytest.raises(ValueError, match="workdir must not be an empty path"):
+        train(tiny("gpt_char", corpus), "", progress=False)
+
+
+def test_a_workdir_that_cannot_be_written_is_named(tmp_path, corpus):
+    # Tests run as root, whom chmod does not stop: a regular file where a folder must be.
+    (tmp_path / "file").write_text("")
+    workdir = tmp_path / "file" / "run"
+    with pytest.raises(OSError, match=f"cannot write in the workdir {workdir}"):
+        train(tiny("gpt_char", corpus), workdir, progress=False)
+
+
+def test_a_full_disk_while_logging_names_the_metrics_file(tmp_path, monkeypatch):
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    writer.close()
+    with open("/dev/full", "a") as full:  # every write fails with ENOSPC, naming no file
+        monkeypatch.setattr(writer, "_file", full)
+        with pytest.raises(OSError, match=r"No space left on device: '.*metrics\.jsonl'"):
+            writer.write(1, {"loss": 1.0})
+        with pytest.raises(OSError, match=r"metrics\.jsonl"):  # the unwritten line, again
+            writer.close()
+
+
+def test_a_failed_background_save_stops_the_run_at_the_next_step(tmp_path, corpus, monkeypatch):
+    from orbax.checkpoint._src.serialization import serialization
+
+    async def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(serialization, "async_serialize_from_host", disk_full)
+    experiment = tiny("gpt_char", corpus, steps=200, checkpoint_every=100, log_every=1,
+                      eval_every=1000)
+    with pytest.raises(OSError, match="No space left") as info:
+        train(experiment, tmp_path, progress=False)
+    assert "step 100" in "\n".join(info.value.__notes__)
+    # Reported within steps of the failure, not at the next save (step 200).
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert 100 <= max(r["step"] for r in records) < 200

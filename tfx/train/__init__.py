@@ -4,9 +4,12 @@
 >>> result = train(get_experiment("gpt_char"), "runs/gpt_char")
 """
 
+from tfx.train.checkpoint import CorruptCheckpointError
 from tfx.train.config import DataConfig, Experiment, MeshConfig, OptimConfig, TrainConfig
 from tfx.train.experiments import EXPERIMENTS, get_experiment
-from tfx.train.loop import Trainer, TrainResult, train
+from tfx.train.lock import WorkdirBusyError
+from tfx.train.loop import DivergenceError, Trainer, TrainResult, train
 
-__all__ = ["EXPERIMENTS", "DataConfig", "Experiment", "MeshConfig", "OptimConfig", "TrainConfig",
-           "TrainResult", "Trainer", "get_experiment", "train"]
+__all__ = ["EXPERIMENTS", "CorruptCheckpointError", "DataConfig", "DivergenceError", "Experiment",
+           "MeshConfig", "OptimConfig", "TrainConfig", "TrainResult", "Trainer",
+           "WorkdirBusyError", "get_experiment", "train"]

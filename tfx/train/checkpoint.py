@@ -63,10 +63,13 @@ class Checkpoints:
       async_save: write in a background thread; `save` returns once the arrays are copied
         to host memory. Call `wait` (or `close`) before reading the files from elsewhere,
         and `check` after every training step to hear of a failed write at once.
+      read_only: only restore (`tfx eval`, `tfx sample`, `train.init_from`): nothing in the
+        directory is created, written or deleted — in particular not the temporary folder of
+        a save that a running training run has in flight, which a writer's opening removes.
     """
 
     def __init__(self, directory: str | os.PathLike, *, config: dict, keep: int = 3,
-                 async_save: bool = True):
+                 async_save: bool = True, read_only: bool = False):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int >= 1, got {keep!r}")
         if not isinstance(config, dict):
@@ -79,16 +82,19 @@ class Checkpoints:
         config_path = self.directory / "config.json"
         if config_path.exists():
             _check_same_config(config_path, config)
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True, create=True)
+        self.read_only = read_only
+        options = (ocp.CheckpointManagerOptions(read_only=True, create=False,
+                                                cleanup_tmp_directories=False)
+                   if read_only else ocp.CheckpointManagerOptions(
+                       max_to_keep=keep, enable_async_checkpointing=async_save,
+                       cleanup_tmp_directories=True, create=True))
         # Naming the handlers lets a fresh manager read metadata before its first save or
         # restore.
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={_STATE: ocp.StandardCheckpointHandler(),
                            _CHECKSUMS: ocp.JsonCheckpointHandler()})
-        if not config_path.exists() and jax.process_index() == 0:
+        if not (read_only or config_path.exists()) and jax.process_index() == 0:
             tmp = config_path.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             os.replace(tmp, config_path)  # atomic: a reader sees no half-written config
@@ -120,6 +126,8 @@ class Checkpoints:
           Errors from orbax (e.g. a deleted array, or a failed background write surfaced
           here from the previous save) with a note naming the step; earlier steps stay intact.
         """
+        if self.read_only:
+            raise ValueError(f"these checkpoints of {self.directory} were opened read_only")
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         step = int(step)

@@ -27,6 +27,12 @@ def _at_least(name: str, value, low) -> None:
         raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
+def _non_empty_path(name: str, value) -> None:
+    # pathlib reads "" as ".": an empty path would silently mean the current directory.
+    if isinstance(value, str) and not value.strip():
+        raise ValueError(f"{name} must not be an empty path (it would mean the current "
+                         f"directory), got {value!r}")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimConfig:
@@ -56,7 +62,13 @@ class OptimConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """The loop: `steps` optimiser updates of `batch_size` sequences, each the sum of
-    `grad_accum` micro-batches (batch_size must divide into them)."""
+    `grad_accum` micro-batches (batch_size must divide into them).
+
+    A step with a non-finite loss, gradient norm or update is never applied (tfx.train.step);
+    `nonfinite` says what the loop does then: "stop" raises `DivergenceError` at the next log,
+    eval or checkpoint step, before saving anything; "skip" goes on (the step's batch is
+    dropped, as large-scale trainers do) and logs the count, and stops only when more than
+    `max_consecutive_skips` steps in a row were skipped (a state that no batch can fix)."""
 
     steps: int = 600
     batch_size: int = 16
@@ -69,11 +81,17 @@ class TrainConfig:
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
     init_from: str | None = None  # a workdir whose newest checkpoint gives the starting weights
+    nonfinite: Literal["stop", "skip"] = "stop"
+    max_consecutive_skips: int = 10  # nonfinite="skip": more skipped steps in a row stop the run
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every",
-                     "eval_batches", "checkpoint_every", "keep_checkpoints"):
+                     "eval_batches", "checkpoint_every", "keep_checkpoints",
+                     "max_consecutive_skips"):
             _at_least(name, getattr(self, name), 1)
+        if self.nonfinite not in ("stop", "skip"):
+            raise ValueError(f"nonfinite must be 'stop' or 'skip', got {self.nonfinite!r}")
+        _non_empty_path("train.init_from", self.init_from)
         if self.batch_size % self.grad_accum:
             raise ValueError(f"grad_accum ({self.grad_accum}) must divide batch_size "
                              f"({self.batch_size})")
@@ -93,6 +111,8 @@ class DataConfig:
     max_len: int = 16
 
     def __post_init__(self):
+        _non_empty_path("data.source", self.source)
+        _non_empty_path("data.tokenizer", self.tokenizer)
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         _at_least("min_len", self.min_len, 1)
@@ -198,8 +218,11 @@ class Experiment:
         return _encode(self)
 
 
-# Loop settings that may change between a run and its resumption (they don't change the result).
-LOOP_ONLY = ("log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints")
+# Loop settings that may change between a run and its resumption: they change no step that the
+# run keeps (`nonfinite` only decides what follows a step that was not applied), so a diverged
+# run may resume with nonfinite="skip".
+LOOP_ONLY = ("log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
+             "nonfinite", "max_consecutive_skips")
 # Model fields added after runs were stored, with their defaults: left out of a run's identity
 # at their default, so that those runs keep their identity and resume.
 ADDED_MODEL_FIELDS = {"attention_pattern": None, "scale_embeddings": False}

@@ -14,6 +14,7 @@ import dataclasses
 import os
 import pathlib
 import sysconfig
+import warnings
 import zlib
 from collections.abc import Sequence
 from typing import Protocol
@@ -148,6 +149,8 @@ def load_tokenizer(spec: str | os.PathLike, *, specials: Sequence[str] = ()) -> 
         return ByteTokenizer(tuple(specials))
     if not isinstance(spec, str | os.PathLike):
         raise TypeError(f"tokenizer must be 'byte' or a path, got {spec!r}")
+    if isinstance(spec, str) and not spec.strip():  # pathlib would read "" as "."
+        raise ValueError(f"tokenizer must be 'byte' or a path, got {spec!r}")
     tokenizer = HFTokenizer(spec)
     for name in specials:
         tokenizer.token_id(name)
@@ -169,15 +172,15 @@ def _files_under(root: pathlib.Path, skip_dir) -> list[tuple[str, pathlib.Path]]
     return sorted(found)
 
 
-def _decode(raw: bytes) -> str | None:
-    """UTF-8 text, or None for binaries, undecodable or blank files."""
+def _decode(raw: bytes) -> tuple[str | None, str]:
+    """(UTF-8 text, "") or (None, why not: "binary", "not UTF-8" or "blank")."""
     if b"\0" in raw:
-        return None
+        return None, "binary"
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        return None
-    return text if text.strip() else None
+        return None, "not UTF-8"
+    return (text, "") if text.strip() else (None, "blank")
 
 
 def stdlib_texts(max_bytes: int = STDLIB_MAX_BYTES) -> list[Text]:
@@ -194,7 +197,7 @@ def stdlib_texts(max_bytes: int = STDLIB_MAX_BYTES) -> list[Text]:
             raw = path.read_bytes()
         except OSError:
             continue
-        text = _decode(raw)
+        text, _ = _decode(raw)
         if text is None:
             continue
         if total + len(raw) > max_bytes:
@@ -206,11 +209,16 @@ def stdlib_texts(max_bytes: int = STDLIB_MAX_BYTES) -> list[Text]:
 
 def text_files(path: str | os.PathLike) -> list[Text]:
     """One text file, or every UTF-8 text file under a folder (recursively, sorted by relative
-    path; hidden files and folders, `__pycache__`, binaries and undecodable files are skipped).
+    path; hidden files and folders and `__pycache__` are left out).
+
+    Files of a folder that are binary, not UTF-8, blank or unreadable are skipped, and a
+    UserWarning says how many of each, with an example path.
 
     Raises:
-      ValueError naming `data` when the path is missing or unreadable or yields no text.
+      ValueError naming `data` when the path is empty, missing or unreadable or yields no text.
     """
+    if isinstance(path, str) and not path.strip():  # pathlib would read "" as "."
+        raise ValueError(f"data: the path must not be empty, got {path!r}")
     root = pathlib.Path(path)
     if root.is_file():
         candidates = [(root.name, root)]
@@ -220,19 +228,25 @@ def text_files(path: str | os.PathLike) -> list[Text]:
             if not p.name.startswith(".")]
     else:
         raise ValueError(f"data: {str(path)!r} does not exist")
-    texts = []
+    texts, skipped = [], {}  # skipped: reason -> relative paths
     for rel, file in candidates:
         try:
-            raw = file.read_bytes()
+            text, reason = _decode(file.read_bytes())
         except OSError as err:
             if root.is_file():
                 raise ValueError(f"data: cannot read {str(path)!r} ({err})") from err
-            continue
-        text = _decode(raw)
-        if text is not None:
+            text, reason = None, "unreadable"
+        if text is None:
+            skipped.setdefault(reason, []).append(rel)
+        else:
             texts.append((rel, text))
+    summary = ", ".join(f"{len(rels)} {reason} (e.g. {rels[0]!r})"
+                        for reason, rels in sorted(skipped.items()))
     if not texts:
-        raise ValueError(f"data: {str(path)!r} holds no UTF-8 text")
+        raise ValueError(f"data: {str(path)!r} holds no UTF-8 text ({summary or 'no files'})")
+    if skipped:
+        warnings.warn(f"data: skipped {len(candidates) - len(texts)} of {len(candidates)} files "
+                      f"in {str(path)!r}: {summary}", UserWarning, stacklevel=2)
     return texts
 
 

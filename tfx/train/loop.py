@@ -6,6 +6,17 @@ WORKDIR/metrics.jsonl and TensorBoard, evaluating, checkpointing, and finally pl
 WORKDIR/loss.png. Batch k and the random key of step k depend only on (seed, k), so a run that
 is interrupted and resumed ends exactly where an uninterrupted run ends. SIGTERM/SIGINT finish
 the current step, save a checkpoint and return.
+
+What the loop guarantees about the workdir:
+- One run at a time: `train` holds WORKDIR/.lock (tfx.train.lock) from before it opens the
+  checkpoints and metrics until its last save has committed; a second run is refused at once.
+- No non-finite state is ever saved: a step with a non-finite loss, gradient norm or update is
+  not applied (tfx.train.step), and the loop reads the device-side count of such steps at
+  every log, eval and checkpoint step, before it writes anything. With train.nonfinite="stop"
+  it then raises `DivergenceError` without saving, so every checkpoint on disk (and so every
+  one that keep-K counts) is from before the first non-finite step; with "skip" it logs the
+  count and goes on, and stops the same way after more than train.max_consecutive_skips
+  skipped steps in a row.
 """
 
 from __future__ import annotations
@@ -15,7 +26,9 @@ import dataclasses
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import jax
 from flax import nnx
@@ -28,19 +41,24 @@ from tfx.train.checkpoint import Checkpoints
 from tfx.train.config import Experiment, run_identity
 from tfx.train.feed import Feed
 from tfx.train.flops import matmul_peak_flops, parameter_count, training_flops_per_token
+from tfx.train.lock import WorkdirLock
 from tfx.train.metrics import MetricsWriter, plot_losses, read_metrics
 from tfx.train.objectives import OBJECTIVE_FUNCTIONS
 from tfx.train.optim import make_optimizer
 from tfx.train.pretrained import pretrained_params
 from tfx.train.step import (
-    TrainState,
     finish_eval,
     init_train_state,
     make_eval_step,
     make_train_step,
 )
 
-__all__ = ["TrainResult", "Trainer", "train"]
+__all__ = ["DivergenceError", "TrainResult", "Trainer", "train"]
+
+
+class DivergenceError(RuntimeError):
+    """Training met non-finite losses (train.nonfinite): the run stopped without saving that
+    state; the newest checkpoint is from before the first such step."""
 
 
 @dataclasses.dataclass
@@ -56,16 +74,40 @@ class TrainResult:
 class Trainer:
     """An experiment's model, train state and compiled steps (shared by `train`, `tfx eval`
     and `tfx sample`). sharded: with several devices, spread the state and batches over the
-    mesh of `experiment.mesh`; False keeps everything on the default device."""
+    mesh of `experiment.mesh`; False keeps everything on the default device. lock: open the
+    workdir to train in it: take its exclusive lock (the first process of a multi-process run
+    takes it) before opening its checkpoints for writing; `close` releases it. Without it the
+    checkpoints are opened read-only (evaluation, sampling), so a run training in the same
+    workdir keeps its in-flight save."""
 
-    def __init__(self, experiment: Experiment, workdir: str | Path, *, sharded: bool = True):
+    def __init__(self, experiment: Experiment, workdir: str | Path, *, sharded: bool = True,
+                 lock: bool = False):
+        if isinstance(workdir, str) and not workdir.strip():
+            raise ValueError(f"workdir must not be an empty path (it would mean the current "
+                             f"directory), got {workdir!r}")
         self.experiment = experiment
         self.workdir = Path(workdir)
         self.feed = Feed(experiment)  # reads the data first: a bad path fails before any work
-        self.checkpoints = Checkpoints(self.workdir / "checkpoints",
-                                       config=run_identity(experiment),
-                                       keep=experiment.train.keep_checkpoints)
-        t = experiment.train
+        self._lock = WorkdirLock(self.workdir)
+        if lock and jax.process_index() == 0:
+            self._lock.acquire()
+        try:
+            self.checkpoints = Checkpoints(self.workdir / "checkpoints",
+                                           config=run_identity(experiment),
+                                           keep=experiment.train.keep_checkpoints,
+                                           read_only=not lock)
+        except BaseException:
+            self._lock.release()
+            raise
+        try:
+            self._build(sharded)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, sharded: bool) -> None:
+        """The model, the train state (placed on the mesh) and the compiled steps."""
+        experiment, t = self.experiment, self.experiment.train
         model = create(experiment.model, rngs=nnx.Rngs(t.seed))
         if t.init_from is not None:
             nnx.update(model, pretrained_params(t.init_from, experiment.model))
@@ -95,16 +137,20 @@ class Trainer:
         self.eval_step = make_eval_step(self.graphdef, self.rest, objective,
                                         objective_kwargs=kwargs, mesh=mesh)
 
-    def restore(self) -> int:
-        """Load the newest readable checkpoint into `self.state`; the step it holds (0: none)."""
+    def restore(self, *, strict: bool = False) -> int:
+        """Load the newest readable checkpoint into `self.state`; the step it holds (0: none).
+
+        strict: refuse a damaged newest checkpoint (`CorruptCheckpointError`) instead of
+          falling back to an older step, as evaluation and sampling do.
+        """
         template = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             self.state.to_dict())
-        restored = self.checkpoints.restore(template)
+        restored = self.checkpoints.restore(template, strict=strict)
         if restored is None:
             return 0
         step, values = restored
-        self.state = TrainState(**values, frozen=self.state.frozen)
+        self.state = self.state.replace(**values)  # frozen weights and counters stay
         return step
 
     def model(self) -> nnx.Module:
@@ -129,12 +175,23 @@ class Trainer:
         return parallel.global_batch(rows, self.batch_sharding)
 
     def close(self) -> None:
-        self.checkpoints.close()
+        """Wait for pending saves, then release orbax's threads and the workdir's lock."""
+        try:
+            self.checkpoints.close()
+        finally:
+            self._lock.release()
 
 
 def train(experiment: Experiment, workdir: str | Path, *, progress: bool = True) -> TrainResult:
-    """Train (or resume training) `experiment` in `workdir`; see the module docstring."""
-    trainer = Trainer(experiment, workdir)
+    """Train (or resume training) `experiment` in `workdir`; see the module docstring.
+
+    Raises:
+      ValueError: a bad config or data path, a workdir that holds another config's run, or
+        one that another run is using (`tfx.train.lock.WorkdirBusyError`, naming its process).
+      OSError: naming the workdir or file that cannot be written (read-only, full disk).
+      DivergenceError: non-finite steps (see train.nonfinite); that state is not saved.
+    """
+    trainer = Trainer(experiment, workdir, lock=True)
     try:
         return _run(trainer, progress=progress)
     finally:
@@ -146,46 +203,105 @@ def _run(trainer: Trainer, *, progress: bool) -> TrainResult:
     start = trainer.restore()
     lead = jax.process_index() == 0  # the process that logs
     writer = MetricsWriter(trainer.workdir, resume_step=start, enabled=lead)
-    flops_per_step = trainer.feed.tokens_per_batch * training_flops_per_token(
-        e.model, parameter_count(trainer.state.params, config=e.model)
-        + parameter_count(trainer.state.frozen, config=e.model), t.seq_len)
-    peak = matmul_peak_flops()
+    clock = _Clock(trainer)
     validation, step = {}, start
     bar = tqdm(total=t.steps, initial=start, desc=e.name, disable=not (progress and lead),
                dynamic_ncols=True)
     say = bar.write if lead else lambda _: None
+    if start:
+        say(f"resumed from step {start}")
+    guard = _Guard(trainer, say)
     with writer, bar, _stop_on_signal() as stop:
-        clock, clock_step = time.perf_counter(), start
+        clock.reset(start)
         for step in range(start + 1, t.steps + 1):
             trainer.state, metrics = trainer.train_step(
                 trainer.state, trainer._device(trainer.feed.train(step - 1)))
             bar.update()
-            if step % t.log_every == 0 or step == t.steps:
+            trainer.checkpoints.check()  # a failed background save stops the run at once
+            stopping = stop.is_set()  # read once: a signal between two reads loses the save
+            log = step % t.log_every == 0 or step == t.steps
+            evaluate = step % t.eval_every == 0 or step == t.steps
+            save = step % t.checkpoint_every == 0 or step == t.steps or stopping
+            if not (log or evaluate or save):
+                continue  # no synchronisation with the device between boundaries
+            skipped = guard.check(step)  # before anything of this state is written
+            if log:
                 metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
-                seconds = (time.perf_counter() - clock) / (step - clock_step)
-                metrics["tokens_per_s"] = trainer.feed.tokens_per_batch / seconds
-                metrics["mfu"] = flops_per_step / seconds / peak
+                metrics.update(clock.rates(step), skipped_steps=skipped)
                 writer.write(step, metrics)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}",
                                 tok_s=f"{metrics['tokens_per_s']:.0f}",
                                 mfu=f"{metrics['mfu']:.0%}")
-                clock, clock_step = time.perf_counter(), step
-            if step % t.eval_every == 0 or step == t.steps:
+            if evaluate:
                 validation = trainer.evaluate()
                 writer.write(step, validation, split="val")
                 say(f"step {step}: " + ", ".join(f"val {k} {v:.4g}"
                                                  for k, v in validation.items()))
-                clock, clock_step = time.perf_counter(), step  # tokens/s leaves eval out
-            if step % t.checkpoint_every == 0 or step == t.steps or stop.is_set():
+            if save:
                 trainer.checkpoints.save(step, trainer.state.to_dict())
-                clock, clock_step = time.perf_counter(), step
-            if stop.is_set():
+            clock.reset(step)  # tokens/s leaves evaluation and checkpointing out
+            if stopping:
                 say(f"stopped by a signal after step {step}; the same command resumes")
                 break
-    interrupted = stop.is_set()
     if lead:
         plot_losses(read_metrics(writer.path), trainer.workdir / "loss.png", title=e.name)
-    return TrainResult(step=step, interrupted=interrupted, validation=validation)
+    return TrainResult(step=step, interrupted=stop.is_set(), validation=validation)
+
+
+class _Clock:
+    """Training throughput since the last reset: tokens/s and model FLOPs utilisation."""
+
+    def __init__(self, trainer: Trainer):
+        e, state = trainer.experiment, trainer.state
+        self.tokens = trainer.feed.tokens_per_batch
+        self.flops = self.tokens * training_flops_per_token(
+            e.model, parameter_count(state.params, config=e.model)
+            + parameter_count(state.frozen, config=e.model), e.train.seq_len)
+        self.peak = matmul_peak_flops()
+        self.reset(0)
+
+    def reset(self, step: int) -> None:
+        self.time, self.step = time.perf_counter(), step
+
+    def rates(self, step: int) -> dict:
+        seconds = (time.perf_counter() - self.time) / (step - self.step)
+        return {"tokens_per_s": self.tokens / seconds, "mfu": self.flops / seconds / self.peak}
+
+
+class _Guard:
+    """train.nonfinite, applied where the loop meets the device anyway (log, eval and
+    checkpoint steps): reads the state's counters of skipped steps (four int32 scalars), says
+    when new ones appear, and raises DivergenceError when the run must stop."""
+
+    def __init__(self, trainer: Trainer, say: Callable[[str], None]):
+        self.trainer, self.say, self.reported = trainer, say, 0
+
+    def check(self, step: int) -> int:
+        """The number of steps skipped so far (since the run started or resumed)."""
+        t = self.trainer.experiment.train
+        counts = jax.device_get(self.trainer.state.nonfinite)
+        skipped, first, longest = int(counts.skipped), int(counts.first), int(counts.longest)
+        if skipped and t.nonfinite == "stop":
+            self._stop(step, f"step {first} had a non-finite loss, gradient norm or update")
+        if longest > t.max_consecutive_skips:
+            self._stop(step, f"{longest} steps in a row had a non-finite loss, gradient norm "
+                             f"or update (train.max_consecutive_skips = "
+                             f"{t.max_consecutive_skips})")
+        if skipped > self.reported:
+            self.say(f"step {step}: skipped {skipped} step(s) with a non-finite loss, gradient "
+                     f"norm or update so far (the first: step {first})")
+            self.reported = skipped
+        return skipped
+
+    def _stop(self, step: int, why: str) -> NoReturn:
+        newest = self.trainer.checkpoints.latest_step()
+        kept = "no checkpoint yet" if newest is None else f"the newest checkpoint: step {newest}"
+        # A lower learning rate is another run (another config): it needs a new workdir.
+        hint = "Lower optim.learning_rate in a new workdir"
+        if self.trainer.experiment.train.nonfinite == "stop":
+            hint += ", or resume with train.nonfinite=skip to skip such steps"
+        raise DivergenceError(f"training diverged: {why}; stopped at step {step} without "
+                              f"saving ({kept}). {hint}")
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@ event files (DIR/tensorboard) and, at the end, a loss-curve PNG (DIR/loss.png)."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -23,7 +24,8 @@ class MetricsWriter:
             return
         kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        with _naming(self.path):
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self._file = self.path.open("a")
         self._tensorboard = None
         if tensorboard:
@@ -36,8 +38,9 @@ class MetricsWriter:
             return
         record = {"step": int(step), "split": split,
                   **{k: float(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        with _naming(self.path):
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
         if self._tensorboard is not None:
             for name, value in metrics.items():
                 self._tensorboard.add_scalar(f"{split}/{name}", float(value), int(step))
@@ -51,9 +54,24 @@ class MetricsWriter:
     def close(self) -> None:
         if not self.enabled:
             return
-        self._file.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        try:
+            with _naming(self.path):
+                self._file.close()
+        finally:
+            if self._tensorboard is not None:
+                self._tensorboard.close()
+
+
+@contextlib.contextmanager
+def _naming(path: Path):
+    """Re-raise an OSError that names no file (a full disk's ENOSPC on write) as one of the
+    same kind naming `path`."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is not None:
+            raise
+        raise type(error)(error.errno, error.strerror or str(error), str(path)) from error
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -48,8 +48,8 @@ def pretrained_params(workdir: str | Path, model: TransformerConfig) -> nnx.Stat
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                             jax.eval_shape(abstract_state))
-    with Checkpoints(path.parent, config=run_identity(base)) as checkpoints:
-        restored = checkpoints.restore(template)
+    with Checkpoints(path.parent, config=run_identity(base), read_only=True) as checkpoints:
+        restored = checkpoints.restore(template, strict=True)  # never silently an older step
     if restored is None:
         raise ValueError(f"train.init_from: {workdir} holds no checkpoint yet")
     return restored[1]["params"]

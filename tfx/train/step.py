@@ -3,6 +3,13 @@
 One step = one optimiser update on the sum of `grad_accum` micro-batches (a `lax.scan`, so the
 activations of only one micro-batch are alive at a time). Its random key is
 fold_in(state.rng, state.step): a resumed run draws exactly what an uninterrupted run draws.
+
+A step whose loss, gradient norm or updated parameters are not finite (NaN, inf) is not
+applied: params and optimiser state stay as they were (so the state held is always the last
+finite one), only `step` advances (that batch and key are used up), and `TrainState.nonfinite`
+counts it. The counters live on the device and cost no synchronisation; the loop reads them
+when it logs, evaluates or saves, and stops or goes on (train.nonfinite). The optimiser's own
+step count (its learning-rate schedule) does not advance on a skipped step.
 """
 
 from __future__ import annotations
@@ -18,8 +25,34 @@ from flax import nnx, struct
 from tfx.parallel.rules import path_name
 from tfx.train.experts import MOE_METRICS, add_moe_losses, balance_experts, expert_loads
 
-__all__ = ["MOE_METRICS", "TrainState", "finish_eval", "init_train_state", "make_eval_step",
-           "make_train_step"]
+__all__ = ["MOE_METRICS", "NonFinite", "TrainState", "finish_eval", "init_train_state",
+           "make_eval_step", "make_train_step"]
+
+
+@struct.dataclass
+class NonFinite:
+    """Counters (int32 []) of the steps skipped for a non-finite loss, gradient norm or update:
+    `skipped` in all, `streak` of them in a row up to the latest step, the `longest` streak,
+    and `first`, the number of the first one (its state.step + 1; 0 while there is none)."""
+
+    skipped: jax.Array
+    streak: jax.Array
+    longest: jax.Array
+    first: jax.Array
+
+    @classmethod
+    def zeros(cls) -> NonFinite:
+        # Separate buffers: the train step donates its state, and one buffer can't be donated
+        # twice.
+        return cls(*(jnp.zeros((), jnp.int32) for _ in range(4)))
+
+    def count(self, finite: jax.Array, step: jax.Array) -> NonFinite:
+        """The counters after step number `step` (int32 []), finite or not (bool [])."""
+        bad = jnp.logical_not(finite).astype(jnp.int32)
+        streak = (self.streak + 1) * bad
+        return NonFinite(skipped=self.skipped + bad, streak=streak,
+                         longest=jnp.maximum(self.longest, streak),
+                         first=jnp.where((self.first == 0) & (bad == 1), step, self.first))
 
 
 @struct.dataclass
@@ -27,13 +60,16 @@ class TrainState:
     """step: int32 []; params: the trained parameters (float32 master weights): all of the
     model's nnx.Param state, or only the PEFT parameters when fine-tuning with `tfx.peft`;
     frozen: the parameters not trained (empty unless fine-tuning with PEFT); opt_state: the
-    optimiser's state, of `params` only; rng: uint32 key data [2] of the run's base key."""
+    optimiser's state, of `params` only; rng: uint32 key data [2] of the run's base key;
+    nonfinite: the steps skipped for a non-finite loss (not checkpointed: they count the steps
+    run since this state was made)."""
 
     step: jax.Array
     params: nnx.State
     frozen: nnx.State
     opt_state: optax.OptState
     rng: jax.Array
+    nonfinite: NonFinite
 
     def to_dict(self) -> dict:
         """The checkpointed form. The frozen weights are left out: they are the run's
@@ -56,7 +92,7 @@ def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation,
     params, frozen = jax.tree.map(jnp.copy, (params, frozen))
     rng = jax.random.key_data(jax.random.key(seed))
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, frozen=frozen,
-                       opt_state=optimizer.init(params), rng=rng)
+                       opt_state=optimizer.init(params), rng=rng, nonfinite=NonFinite.zeros())
     return graphdef, rest, state
 
 
@@ -77,7 +113,8 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
                     optimizer: optax.GradientTransformation, objective: Callable, *,
                     grad_accum: int = 1, objective_kwargs: dict | None = None,
                     state_sharding=None, mesh: jax.sharding.Mesh | None = None) -> Callable:
-    """Compile `(state, batch) -> (state, metrics)`.
+    """Compile `(state, batch) -> (state, metrics)`; a non-finite step is skipped (see the
+    module docstring).
 
     objective: `(model, batch, rng, **objective_kwargs) -> (loss_sum, count, metric_sums)`
       (see tfx.train.objectives). batch: dict of arrays with a leading [batch] axis divisible
@@ -131,15 +168,33 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
         if loads:
             config = _merge(graphdef, state.params, state.frozen, rest, rng, train=False).config
             params = balance_experts(state.params, params, loads, config.router_bias_rate)
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         metrics = {"loss": total / count, "grad_norm": optax.tree.norm(grads),
                    **_ratios(sums)}
-        return new_state, metrics
+        return _advance(state, params, opt_state, metrics), metrics
 
     shardings = {} if state_sharding is None else {"out_shardings": (state_sharding, None)}
     return jax.jit(train_step, donate_argnums=0,
                    compiler_options=compiler_options(has_experts=_has_experts(rest)),
                    **shardings)
+
+
+def _advance(state: TrainState, params, opt_state, metrics: dict) -> TrainState:
+    """The state after a step: its new params and opt_state only when its loss, gradient norm
+    and new params are all finite, else the old ones (a select, fused into the update); the
+    step number advances and `nonfinite` counts either way."""
+    finite = (jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+              & _all_finite(params))
+    params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                     (params, opt_state), (state.params, state.opt_state))
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                         nonfinite=state.nonfinite.count(finite, state.step + 1))
+
+
+def _all_finite(tree) -> jax.Array:
+    """bool []: every element of every leaf is finite (exact, unlike a norm, which overflows
+    to inf on large finite values)."""
+    return functools.reduce(jnp.logical_and, (jnp.isfinite(x).all() for x in
+                                              jax.tree.leaves(tree)), jnp.bool_(True))
 
 
 def _under(mesh):
