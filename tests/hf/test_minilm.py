@@ -144,6 +144,10 @@ def test_folder_errors(tmp_path):
                             "type": "sentence_transformers.models.Dense"}]
     with pytest.raises(ValueError, match="Dense"):
         SentenceEncoder.from_folder(_folder_like_minilm(tmp_path / "dense", dense))
+    outside = [modules[0], {**modules[1], "path": "../elsewhere"}, modules[2]]
+    with pytest.raises(ValueError, match=r"modules\.json: '\.\./elsewhere' is not a file name "
+                                         r"inside"):
+        SentenceEncoder.from_folder(_folder_like_minilm(tmp_path / "outside", outside))
     with pytest.raises(ValueError, match="weightedmean"):
         SentenceEncoder.from_folder(_folder_like_minilm(
             tmp_path / "weighted", pooling={"pooling_mode_mean_tokens": False,

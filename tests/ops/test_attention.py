@@ -118,7 +118,8 @@ def test_matches_written_out_formula(batch, q_len, kv_len, num_kv_heads, group, 
                                      value_dim, seed):
     num_heads = num_kv_heads * group
     query, key, value = _qkv(seed, batch, q_len, kv_len, num_heads, num_kv_heads, head_dim)
-    value = jax.random.normal(jax.random.key(seed + 1), (batch, kv_len, num_kv_heads, value_dim))
+    value = jax.random.normal(jax.random.key(seed + 1), (batch, kv_len, num_kv_heads, value_dim),
+                              query.dtype)
     rng = np.random.default_rng(seed)
     mask = rng.random((batch, num_heads, q_len, kv_len)) < 0.6  # some rows fully masked
     bias = rng.normal(size=(num_heads, q_len, kv_len)).astype(np.float32)

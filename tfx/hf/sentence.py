@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tfx.hf.io import read_json
+from tfx.hf.io import inside, read_json
 from tfx.models import Encoder
 
 __all__ = ["POOLING_MODES", "SentenceEncoder", "normalize", "pool"]
@@ -144,8 +144,7 @@ class SentenceEncoder:
         if kinds not in (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"]):
             raise ValueError(f"{folder / 'modules.json'}: tfx embeds with the modules "
                              f"Transformer, Pooling[, Normalize]; this folder has {kinds}")
-        transformer, pooling = (folder / modules[0].get("path", ""),
-                                folder / modules[1].get("path", ""))
+        transformer, pooling = (_module_folder(folder, m) for m in modules[:2])
         settings = {}
         if (transformer / "sentence_bert_config.json").is_file():
             settings = read_json(transformer / "sentence_bert_config.json", dict, _NOT_SENTENCE)
@@ -196,6 +195,14 @@ class SentenceEncoder:
                           modes=self.modes, normalized=self.normalized)
                    for i in range(0, len(texts), batch_size)]
         return jnp.concatenate(batches)
+
+
+def _module_folder(folder: pathlib.Path, module: dict) -> pathlib.Path:
+    """The folder of a modules.json entry: its "path" inside `folder` ("" is the folder
+    itself); absolute paths, '..' and symlinks leading out are refused, as `tfx.hf.load`
+    refuses them."""
+    entry = str(module.get("path", ""))
+    return folder if entry in ("", ".") else inside(folder, entry, f"{folder / 'modules.json'}")
 
 
 def _pooling_modes(config: dict, folder: pathlib.Path) -> tuple[str, ...]:
