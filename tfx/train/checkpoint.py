@@ -30,6 +30,7 @@ deletes or replaces an earlier step.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import warnings
@@ -83,17 +84,8 @@ class Checkpoints:
         if config_path.exists():
             _check_same_config(config_path, config)
         self.read_only = read_only
-        options = (ocp.CheckpointManagerOptions(read_only=True, create=False,
-                                                cleanup_tmp_directories=False)
-                   if read_only else ocp.CheckpointManagerOptions(
-                       max_to_keep=keep, enable_async_checkpointing=async_save,
-                       cleanup_tmp_directories=True, create=True))
-        # Naming the handlers lets a fresh manager read metadata before its first save or
-        # restore.
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options,
-            item_handlers={_STATE: ocp.StandardCheckpointHandler(),
-                           _CHECKSUMS: ocp.JsonCheckpointHandler()})
+        self._manager = _manager(self.directory, keep=keep, async_save=async_save,
+                                 read_only=read_only)
         if not (read_only or config_path.exists()) and jax.process_index() == 0:
             tmp = config_path.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -322,6 +314,34 @@ def _mismatch(abstract: Any, stored: Any) -> str:
     problems += [f"{k}: shape {have[k]} in the checkpoint, {want[k]} in the template"
                  for k in want.keys() & have.keys() if want[k] != have[k]]
     return "; ".join(sorted(problems))
+
+
+def _manager(directory: pathlib.Path, *, keep: int, async_save: bool,
+             read_only: bool) -> ocp.CheckpointManager:
+    """orbax's manager of `directory`: a writer keeping the newest `keep` steps, or a reader
+    that creates, writes and deletes nothing (its temporary-folder cleanup included)."""
+    if read_only:
+        options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
+                                               save_interval_steps=0,
+                                               cleanup_tmp_directories=False)
+    else:
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True, create=True)
+    # orbax logs a warning at every read-only opening, which is what was asked for: keep it out
+    # of `tfx eval` / `tfx sample` output.
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR if read_only else level)
+    try:
+        # Naming the handlers lets a fresh manager read metadata before its first save or
+        # restore.
+        return ocp.CheckpointManager(
+            directory, options=options,
+            item_handlers={_STATE: ocp.StandardCheckpointHandler(),
+                           _CHECKSUMS: ocp.JsonCheckpointHandler()})
+    finally:
+        absl_logger.setLevel(level)
 
 
 def _check_same_config(path: pathlib.Path, config: dict) -> None:
