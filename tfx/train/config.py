@@ -10,7 +10,7 @@ from typing import Literal
 from tfx.models.config import DecoderConfig, EncoderConfig, EncoderDecoderConfig
 
 __all__ = ["DataConfig", "Experiment", "MeshConfig", "OptimConfig", "PeftConfig", "TrainConfig",
-           "experiment_from_dict", "run_identity"]
+           "experiment_from_dict", "non_empty_path", "run_identity"]
 
 OBJECTIVES = {"causal_lm": DecoderConfig, "mlm": EncoderConfig, "seq2seq": EncoderDecoderConfig}
 
@@ -27,8 +27,9 @@ def _at_least(name: str, value, low) -> None:
         raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
-def _non_empty_path(name: str, value) -> None:
-    # pathlib reads "" as ".": an empty path would silently mean the current directory.
+def non_empty_path(name: str, value) -> None:
+    """Refuse an empty (or blank) path `value` of the argument `name`: pathlib reads "" as ".",
+    so it would silently mean the current directory."""
     if isinstance(value, str) and not value.strip():
         raise ValueError(f"{name} must not be an empty path (it would mean the current "
                          f"directory), got {value!r}")
@@ -91,7 +92,7 @@ class TrainConfig:
             _at_least(name, getattr(self, name), 1)
         if self.nonfinite not in ("stop", "skip"):
             raise ValueError(f"nonfinite must be 'stop' or 'skip', got {self.nonfinite!r}")
-        _non_empty_path("train.init_from", self.init_from)
+        non_empty_path("train.init_from", self.init_from)
         if self.batch_size % self.grad_accum:
             raise ValueError(f"grad_accum ({self.grad_accum}) must divide batch_size "
                              f"({self.batch_size})")
@@ -111,8 +112,8 @@ class DataConfig:
     max_len: int = 16
 
     def __post_init__(self):
-        _non_empty_path("data.source", self.source)
-        _non_empty_path("data.tokenizer", self.tokenizer)
+        non_empty_path("data.source", self.source)
+        non_empty_path("data.tokenizer", self.tokenizer)
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         _at_least("min_len", self.min_len, 1)

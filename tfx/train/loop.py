@@ -38,7 +38,7 @@ from tfx import parallel
 from tfx.models.presets import create
 from tfx.peft import PeftParam
 from tfx.train.checkpoint import Checkpoints
-from tfx.train.config import Experiment, run_identity
+from tfx.train.config import Experiment, non_empty_path, run_identity
 from tfx.train.feed import Feed
 from tfx.train.flops import matmul_peak_flops, parameter_count, training_flops_per_token
 from tfx.train.lock import WorkdirLock
@@ -82,9 +82,7 @@ class Trainer:
 
     def __init__(self, experiment: Experiment, workdir: str | Path, *, sharded: bool = True,
                  lock: bool = False):
-        if isinstance(workdir, str) and not workdir.strip():
-            raise ValueError(f"workdir must not be an empty path (it would mean the current "
-                             f"directory), got {workdir!r}")
+        non_empty_path("workdir", workdir)
         self.experiment = experiment
         self.workdir = Path(workdir)
         self.feed = Feed(experiment)  # reads the data first: a bad path fails before any work
