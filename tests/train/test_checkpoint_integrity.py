@@ -115,6 +115,27 @@ def test_strict_restore_refuses_a_damaged_newest_step(tmp_path):
             ckpts.restore(random_state(0), strict="yes")
 
 
+def test_an_unreadable_step_is_reported_on_one_line(tmp_path, monkeypatch):
+    # TensorStore read errors put a many-line spec dump after the reason: the report keeps
+    # the reason's line and still says, on that line, that it does not fall back.
+    spec_dump = "Encountered error while reading array index: (0, 0). See full TensorStore "
+    spec_dump += "details: <spec of TensorStore({\n  'driver': 'zarr',\n})>."
+    def unreadable(*args, **kwargs):
+        raise ValueError(spec_dump)
+
+    with Checkpoints(tmp_path, config=CONFIG) as ckpts:
+        ckpts.save(1, random_state(1))
+        ckpts.wait()
+        monkeypatch.setattr(ckpts._manager, "restore", unreadable)
+        with pytest.raises(CorruptCheckpointError) as info:
+            ckpts.restore(random_state(0), strict=True)
+    message = str(info.value)
+    assert "\n" not in message and "TensorStore" not in message, message
+    assert message == (f"checkpoint step 1 in {tmp_path} is unreadable (ValueError: Encountered "
+                       "error while reading array index: (0, 0).); not falling back to an "
+                       "older step")
+
+
 @IGNORE_LATE_READS
 def test_damage_is_caught_when_restoring_into_another_dtype(tmp_path):
     three_steps_with_step_3_damaged(tmp_path, "flip_bit")

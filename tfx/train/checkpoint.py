@@ -186,12 +186,11 @@ class Checkpoints:
                 mismatch, state = self._read(s, abstract)
             except Exception as e:
                 self._unreadable.add(s)
-                problem = (f"checkpoint step {s} in {self.directory} is unreadable "
-                           f"({type(e).__name__}: {e})")
+                problem = f"checkpoint step {s} in {self.directory} is unreadable ({_brief(e)})"
                 if strict or step is not None:  # a step asked for by name has no fallback
                     raise CorruptCheckpointError(problem + "; not falling back to an older "
                                                  "step") from e
-                errors.append(f"step {s}: {type(e).__name__}: {e}")
+                errors.append(f"step {s}: {_brief(e)}")
                 warnings.warn(problem + "; trying the previous step", RuntimeWarning,
                               stacklevel=2)
                 continue
@@ -261,6 +260,14 @@ class Checkpoints:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def _brief(error: Exception, limit: int = 300) -> str:
+    """`error` on one line: TensorStore errors carry a many-line spec dump after the reason,
+    which would push the rest of a one-line report (and the step it names) out of sight."""
+    text = (str(error).strip().splitlines() or [""])[0].split(" See full TensorStore")[0]
+    text = text if len(text) <= limit else text[:limit] + "..."
+    return f"{type(error).__name__}: {text}"
 
 
 def _abstract(leaf: Any) -> Any:
