@@ -26,7 +26,13 @@ from tfx.models import PRESETS, create
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 SMALL = dict(vocab_size=97, d_model=32, num_heads=4, d_ff=48, num_layers=2, dropout=0.0)
-RENAMED: dict[str, str] = {}  # old parameter path -> new one, for paths the redesign moved
+# Parameter path now -> the path it was stored at, for parameters the redesign moved:
+# Transformer-XL's W_R, u and v went from the attention into its positional part, and a soft
+# prompt from the model into its embeddings.
+RENAMED = {f"stack/layers/{i}/attention/position/{name}": f"stack/layers/{i}/attention/{name}"
+           for i in range(2)
+           for name in ("position_proj/kernel", "content_bias", "position_bias")}
+RENAMED["embeddings/prompt/vectors"] = "prompt/vectors"
 BATCH, SEQ = 2, 7
 
 

@@ -93,7 +93,7 @@ def test_position_ids_leave_room_for_a_soft_prompt():
     chex.assert_shape(model(_ids(1, 2), position_ids=_ids(0, MAX_LEN - 4)), (1, 2, VOCAB))
     with pytest.raises(ValueError, match=re.escape(
             f"position_ids must be in [0, {MAX_LEN - 3}) (the learned position table, "
-            f"config.max_len - 3 soft-prompt tokens = {MAX_LEN - 3}), got {MAX_LEN - 3}")):
+            f"config.max_len - 3 leading vectors = {MAX_LEN - 3}), got {MAX_LEN - 3}")):
         model(_ids(1, 2), position_ids=_ids(0, MAX_LEN - 3))
 
 

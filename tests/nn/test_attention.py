@@ -109,11 +109,11 @@ def _projections(module, x):
 def test_rope_and_alibi_use_true_positions():
     """Positions shifted by a constant leave RoPE attention unchanged (relative property) and
     match the op applied by hand; ALiBi equals the op with the written-out bias."""
-    from tfx.nn import Rope
+    from tfx.nn import ALiBi, Rope, Rotary
     from tfx.ops.positional import alibi_bias, alibi_slopes, apply_rope
 
     x = jax.random.normal(jax.random.key(3), (1, 6, 16))
-    rope = Attention(16, 2, rope=Rope(theta=500.0), rngs=nnx.Rngs(0))
+    rope = Attention(16, 2, position=Rotary(Rope(theta=500.0)), rngs=nnx.Rngs(0))
     positions = jnp.arange(6) + 40
     query, key, value = _projections(rope, x)
     expected = dot_product_attention(apply_rope(query, positions, theta=500.0),
@@ -123,7 +123,7 @@ def test_rope_and_alibi_use_true_positions():
     chex.assert_trees_all_close(rope(x, is_causal=True, positions=positions), expected, atol=1e-5)
     chex.assert_trees_all_close(rope(x, is_causal=True), expected, atol=1e-4)
 
-    alibi = Attention(16, 2, alibi=True, rngs=nnx.Rngs(0))
+    alibi = Attention(16, 2, position=ALiBi(2), rngs=nnx.Rngs(0))
     query, key, value = _projections(alibi, x)
     bias = alibi_bias(alibi_slopes(2), jnp.arange(6), jnp.arange(6))[None]
     expected = dot_product_attention(query, key, value, bias=bias, is_causal=True)
@@ -134,15 +134,18 @@ def test_rope_and_alibi_use_true_positions():
 def test_transformer_xl_relative_attention_matches_the_paper_formula():
     """Dai et al. 2019, eq. (3): A_ij = (q_i + u)·k_j + (q_i + v)·W_R R_{i-j}, scaled, causal,
     with R built explicitly for every (i, j) here."""
+    from tfx.nn import TransformerXL
     from tfx.ops.positional import sinusoidal
 
-    module = Attention(16, 2, relative=True, rngs=nnx.Rngs(0))
-    module.content_bias[...] = jax.random.normal(jax.random.key(4), (2, 8))
-    module.position_bias[...] = jax.random.normal(jax.random.key(5), (2, 8))
+    xl = TransformerXL(16, 2, 8, scale=8**-0.5, dtype=None, param_dtype=jnp.float32,
+                       rngs=nnx.Rngs(1))
+    module = Attention(16, 2, position=xl, rngs=nnx.Rngs(0))
+    xl.content_bias[...] = jax.random.normal(jax.random.key(4), (2, 8))
+    xl.position_bias[...] = jax.random.normal(jax.random.key(5), (2, 8))
     x = jax.random.normal(jax.random.key(6), (2, 7, 16))
     query, key, value = (np.asarray(t, np.float64) for t in _projections(module, x))
-    u, v = np.asarray(module.content_bias[...]), np.asarray(module.position_bias[...])
-    w_r = np.asarray(module.position_proj.kernel[...])
+    u, v = np.asarray(xl.content_bias[...]), np.asarray(xl.position_bias[...])
+    w_r = np.asarray(xl.position_proj.kernel[...])
     out = np.zeros_like(value)
     for b in range(2):
         for h in range(2):

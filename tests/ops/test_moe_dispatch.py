@@ -2,6 +2,8 @@
 against a per-token loop written out here, and the sorted and ragged dispatches against the
 one-hot reference — values and gradients, over random shapes (hypothesis)."""
 
+import dataclasses
+
 import chex
 import hypothesis.strategies as st
 import jax
@@ -129,9 +131,9 @@ class TestBadInput:
     def test_weights_of_the_wrong_shape(self):
         x, routing, weights = _case(6, 8, 4, 2)
         with pytest.raises(ValueError, match=r"weights\.down"):
-            experts_ffn(x, routing, weights._replace(down=weights.down[:, :, :3]))
+            experts_ffn(x, routing, dataclasses.replace(weights, down=weights.down[:, :, :3]))
         with pytest.raises(ValueError, match=r"weights\.gate"):
-            experts_ffn(x, routing, weights._replace(gate=weights.gate[:3]))
+            experts_ffn(x, routing, dataclasses.replace(weights, gate=weights.gate[:3]))
 
     def test_routing_for_other_tokens(self):
         x, routing, weights = _case(7, 8, 4, 2)

@@ -312,8 +312,8 @@ def test_after_prefix_shows_every_prefix_key_and_shifts_the_inner_mask():
     expected = np.array([[1, 1, 1, 0, 0],
                          [1, 1, 1, 1, 0],
                          [1, 1, 1, 1, 1]], bool)
-    np.testing.assert_array_equal(sparse.AfterPrefix(sparse.Causal(), 2).dense(3, 5), expected)
-    window = sparse.AfterPrefix(sparse.SlidingWindow(2), 1).dense(4, 5)
+    np.testing.assert_array_equal(sparse.LeadingKeys(sparse.Causal(), 2).dense(3, 5), expected)
+    window = sparse.LeadingKeys(sparse.SlidingWindow(2), 1).dense(4, 5)
     np.testing.assert_array_equal(window[:, 1:], sparse.SlidingWindow(2).dense(4, 4))
     assert window[:, 0].all()
 

@@ -25,8 +25,8 @@ SPECS = {
     "random": sparse.RandomBlocks(64, 2, seed=3),
     "union": sparse.SlidingWindow(40) | sparse.GlobalTokens(2),
     "intersection": sparse.Causal() & (sparse.SlidingWindow(64) | sparse.RandomBlocks(128, 1)),
-    "prefix_causal": sparse.AfterPrefix(sparse.Causal(), 5),
-    "prefix_window": sparse.AfterPrefix(sparse.SlidingWindow(30), 3),
+    "prefix_causal": sparse.LeadingKeys(sparse.Causal(), 5),
+    "prefix_window": sparse.LeadingKeys(sparse.SlidingWindow(30), 3),
 }
 SLOW = pytest.mark.slow
 
@@ -117,7 +117,7 @@ def test_bfloat16_follows_the_reference():
     (None, masks.FullMask),
     (sparse.Causal(), masks.CausalMask),
     (sparse.SlidingWindow(8), masks.LocalMask),
-    (sparse.AfterPrefix(sparse.Causal(), 4), masks.CausalMask),
+    (sparse.LeadingKeys(sparse.Causal(), 4), masks.CausalMask),
     (sparse.SlidingWindow(8) | sparse.GlobalTokens(2), masks.LogicalOr),
     (sparse.Causal() & sparse.SlidingWindow(8), masks.LogicalAnd),
     (sparse.Strided(4), masks.NumpyMask),

@@ -18,6 +18,7 @@ os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
                            "--xla_backend_optimization_level=0")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import dataclasses
 import json
 import sys
 import traceback
@@ -25,8 +26,10 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from tfx.nn.moe import MoE
 from tfx.ops.moe import ExpertWeights, expert_parallel_moe, moe
 from tfx.parallel import make_mesh, param_specs
 
@@ -130,8 +133,10 @@ def check_jit_inside_set_mesh():
     mesh = make_mesh(data=2, expert=2, tensor=2)
     x, router, weights, cotangent = inputs(gated=True, seed=1)
     mask = jnp.arange(TOKENS) % 5 != 3
-    params = {"mlp": {"router": {"kernel": router}, "experts": weights._asdict()}}
-    specs = param_specs(params, mesh)
+    params = {"mlp": {"router": {"kernel": router}, "experts": dataclasses.asdict(weights)}}
+    layer = nnx.eval_shape(lambda: MoE(D_MODEL, D_FF, num_experts=EXPERTS, experts_per_token=2,
+                                       rngs=nnx.Rngs(0)))  # the specs its parameters declare
+    specs = {"mlp": param_specs(nnx.state(layer, nnx.Param), mesh).to_pure_dict()}
     assert specs["mlp"]["experts"]["up"] == PartitionSpec("expert", None, "tensor")
     params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
     x = jax.device_put(x, NamedSharding(mesh, PartitionSpec(("data", "expert"))))
@@ -158,7 +163,7 @@ def check_jit_inside_set_mesh():
         x, router, weights)
     assert_close(grads[0], ref_grads[0], "grad x")
     assert_close(grads[1]["mlp"]["router"]["kernel"], ref_grads[1], "grad router")
-    assert_close(grads[1]["mlp"]["experts"], ref_grads[2]._asdict(), "grad experts")
+    assert_close(grads[1]["mlp"]["experts"], dataclasses.asdict(ref_grads[2]), "grad experts")
 
 
 def check_nan_token_stays_local(capacity_factor):

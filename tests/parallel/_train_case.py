@@ -8,8 +8,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 import tfx.models
+from tfx.nn.paths import path_name
 from tfx.parallel import batch_sharding, global_batch, process_rows, shard, state_shardings
-from tfx.parallel.rules import path_name
 from tfx.train.config import OptimConfig
 from tfx.train.objectives import causal_lm
 from tfx.train.optim import make_optimizer

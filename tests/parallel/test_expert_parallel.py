@@ -4,6 +4,7 @@ tokens (dropless) or on each device's tokens alone (with a capacity: GShard's gr
 outputs, routing and gradients; see the worker's docstring for the references. The argument
 checks run here, on an AbstractMesh: they fail at trace time, before any device is needed."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -77,7 +78,7 @@ def test_bad_arguments_name_themselves(args, kwargs, message):
 def test_expert_weights_must_match_the_router():
     x, router, weights = layer_args()
     with pytest.raises(ValueError, match=r"weights.down must have shape \(8, 8, 4\)"):
-        expert_parallel_moe(x, router, weights._replace(down=jnp.zeros((8, 8, 3))),
+        expert_parallel_moe(x, router, dataclasses.replace(weights, down=jnp.zeros((8, 8, 3))),
                             mesh=mesh(), num_selected=1)
     with pytest.raises(ValueError, match=r"token_mask must be bool \[tokens\] = \(32,\)"):
         expert_parallel_moe(x, router, weights, mesh=mesh(), num_selected=1,

@@ -9,8 +9,10 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 import tfx.models
+from tfx.nn import axes
+from tfx.nn.moe import MoE
+from tfx.nn.paths import path_name
 from tfx.parallel import AXES, DEFAULT_RULES, batch_sharding, param_specs, state_specs
-from tfx.parallel.rules import path_name
 from tfx.train.config import OptimConfig
 from tfx.train.optim import make_optimizer
 from tfx.train.step import init_train_state
@@ -122,6 +124,20 @@ def test_rules_table_maps_logical_axes():
         param_specs(params, mesh(DP2_FSDP2_TP2), {**DEFAULT_RULES, "heads": "model"})
 
 
+def test_declared_axes_must_match_dims():
+    def specs(*names, shape=(8, 8)):
+        value = jax.ShapeDtypeStruct(shape, "f4")
+        return param_specs({"w": nnx.Param(value, **axes.metadata(*names)), "plain": value},
+                           mesh(FSDP2_TP4))
+
+    assert named(specs("embed", "heads")) == {"w": P("fsdp", "tensor"), "plain": P()}
+    assert named(specs()) == {"w": P(), "plain": P()}  # no names: replicated
+    with pytest.raises(ValueError, match=r"w: its metadata names 3 axes .* shape \(8, 8\)$"):
+        specs("layers", "embed", "heads")
+    with pytest.raises(ValueError, match=r"names 2 axes .* need transform_metadata"):
+        specs("embed", "heads", shape=(2, 8, 8))
+
+
 @pytest.mark.parametrize("sizes", [FSDP8, DP2_FSDP2_TP2])
 def test_optimizer_state_follows_params(sizes):
     model = tfx.models.create("char-gpt", rngs=nnx.Rngs(0), **CHAR_GPT)
@@ -147,13 +163,17 @@ def test_batch_rows_split_over_data_and_fsdp(sizes, spec):
 
 
 def test_expert_weights_split_experts_over_expert_axis():
-    # A MoE layer's parameters as the MoE module names them: router [d_model, E] replicated,
-    # experts [E, d_model, d_ff] / [E, d_ff, d_model] split over "expert", then like the MLP.
+    # A MoE layer's parameters as the MoE module declares them: router [d_model, E]
+    # replicated, experts [E, d_model, d_ff] / [E, d_ff, d_model] split over "expert", then
+    # like the MLP; stacked as Stack stacks layers (a leading "layers" axis).
     def layer(experts, stacked=()):
-        return {"router": {"kernel": jax.ShapeDtypeStruct((*stacked, 64, experts), "f4")},
-                "experts": {"gate": jax.ShapeDtypeStruct((*stacked, experts, 64, 128), "f4"),
-                            "up": jax.ShapeDtypeStruct((*stacked, experts, 64, 128), "f4"),
-                            "down": jax.ShapeDtypeStruct((*stacked, experts, 128, 64), "f4")}}
+        def make(rngs):
+            return MoE(64, 128, num_experts=experts, experts_per_token=2, rngs=rngs)
+
+        if stacked:
+            make = nnx.split_rngs(splits=stacked[0])(nnx.vmap(
+                make, in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"}))
+        return nnx.state(nnx.eval_shape(lambda: make(nnx.Rngs(0))), nnx.Param)
 
     def specs(sizes, experts=8, stacked=()):
         params = {"stack": {"layers": {"0": {"mlp": layer(experts, stacked)}}}}

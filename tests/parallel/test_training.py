@@ -14,8 +14,8 @@ import pytest
 from jax.sharding import AbstractMesh
 from parallel._train_case import abstract_state, assert_same_training
 
+from tfx.nn.paths import path_name
 from tfx.parallel import AXES, state_specs
-from tfx.parallel.rules import path_name
 
 WORKER = pathlib.Path(__file__).with_name("_sharded_worker.py")
 # The worker's sharded runs and their mesh sizes (data, fsdp, expert, tensor);

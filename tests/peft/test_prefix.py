@@ -10,11 +10,11 @@ import pytest
 from flax import nnx
 
 import tfx
-from tfx.nn import Attention
+from tfx.nn import ALiBi, Attention
 from tfx.ops import sparse
 from tfx.ops.positional import alibi_slopes
 from tfx.peft.core import PeftParam
-from tfx.peft.prefix import EncodedPrefix, Prefix, PrefixKV
+from tfx.peft.prefix import EncodedPrefix, Prefix, PrefixedAttention, PrefixKV, prefixed
 
 G = 3  # prefix tokens
 SMALL = dict(num_layers=2, d_model=32, d_ff=64, max_len=64)  # char-gpt: 4 heads, 2 KV heads
@@ -53,7 +53,7 @@ def _prefixed_attention(num_kv_heads, **kwargs):
     module = Attention(16, 4, num_kv_heads=num_kv_heads, rngs=nnx.Rngs(0), **kwargs)
     shape = (G, num_kv_heads, 4)
     prefix_key, prefix_value = (jax.random.normal(jax.random.key(i), shape) for i in (1, 2))
-    module.prefix = PrefixKV(prefix_key, prefix_value)
+    prefixed(module, PrefixKV(prefix_key, prefix_value))
     return module, np.asarray(prefix_key), np.asarray(prefix_value)
 
 
@@ -83,7 +83,7 @@ def test_attention_equals_numpy_over_prefix_and_keys(num_kv_heads, implementatio
 
 
 def test_segments_and_alibi_leave_the_prefix_visible_with_zero_bias():
-    module, prefix_key, prefix_value = _prefixed_attention(2, alibi=True)
+    module, prefix_key, prefix_value = _prefixed_attention(2, position=ALiBi(4))
     x = jax.random.normal(jax.random.key(3), (2, 7, 16))
     segments = jnp.asarray([[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1]])
     out = module(x, is_causal=True, query_segment_ids=segments)
@@ -212,9 +212,7 @@ def test_prefix_reaches_the_cross_attention_of_an_encoder_decoder():
     model = tfx.models.create(config, vocab_size=64, d_model=16, num_layers=1, num_heads=2,
                               d_ff=32, dropout=0.0, rngs=nnx.Rngs(0))
     Prefix(G, targets=["cross_attention"]).attach(model, rngs=nnx.Rngs(1))
-    prefixed = [a for _, a in nnx.iter_graph(model)
-                if isinstance(a, Attention) and a.prefix is not None]
-    assert len(prefixed) == 1
+    assert len([a for _, a in nnx.iter_graph(model) if isinstance(a, PrefixedAttention)]) == 1
     source = jnp.arange(10).reshape(2, 5)
     out = tfx.generate(model, source, max_new_tokens=3, temperature=0.0)
     chex.assert_shape(out, (2, 4))

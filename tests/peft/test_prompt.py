@@ -52,7 +52,7 @@ def test_decoder_logits_equal_the_layers_on_prompt_then_tokens(position):
 
     @nnx.jit  # one compiled program rather than many eager ops: fast on a small CPU
     def both(model, ids):
-        x = _hand_embeddings(model.embeddings, model.prompt.vectors[...], ids)
+        x = _hand_embeddings(model.embeddings, model.embeddings.prompt.vectors[...], ids)
         hidden = model.stack(x, positions=jnp.arange(G + ids.shape[1]))
         return model(ids), model.logits(hidden[:, G:])
 
@@ -77,7 +77,8 @@ def test_encoder_hidden_equals_the_layers_on_prompt_then_tokens():
 
     @nnx.jit
     def both(model, ids):
-        x = _hand_embeddings(model.embeddings, model.prompt.vectors[...], ids, token_types=True)
+        x = _hand_embeddings(model.embeddings, model.embeddings.prompt.vectors[...], ids,
+                             token_types=True)
         return model(ids), model.stack(x, positions=jnp.arange(G + 6))[:, G:]
 
     out, expected = both(model, _ids())
@@ -96,7 +97,8 @@ def test_encoder_decoder_decoder_attends_to_the_prompt_in_the_encoder_output():
 
     @nnx.jit
     def both(model):
-        x = _hand_embeddings(model.encoder_embeddings, model.prompt.vectors[...], ids)
+        embeddings = model.encoder_embeddings
+        x = _hand_embeddings(embeddings, embeddings.prompt.vectors[...], ids)
         encoded = model.encoder(x, positions=jnp.arange(G + 6), mask=context_mask)
         hidden = model.decoder(model.decoder_embeddings(targets, jnp.arange(4)),
                                positions=jnp.arange(4), context=encoded,
@@ -175,12 +177,13 @@ def test_initialisations():
     table = model.embeddings.tokens.table[...]
     text = _prompted(Decoder(DecoderConfig(**SMALL), rngs=nnx.Rngs(0)), num_tokens=5,
                      init="text", text_ids=(4, 9))
-    np.testing.assert_array_equal(text.prompt.vectors[...], table[jnp.array([4, 9, 4, 9, 4])])
+    np.testing.assert_array_equal(text.embeddings.prompt.vectors[...],
+                                  table[jnp.array([4, 9, 4, 9, 4])])
     vocab = _prompted(Decoder(DecoderConfig(**SMALL), rngs=nnx.Rngs(0)), init="vocab")
-    rows = vocab.prompt.vectors[...]
+    rows = vocab.embeddings.prompt.vectors[...]
     assert all(bool(jnp.any(jnp.all(table == row, axis=1))) for row in rows)
     random = _prompted(Decoder(DecoderConfig(**SMALL), rngs=nnx.Rngs(0)), init_std=0.5)
-    assert 0.2 < float(jnp.std(random.prompt.vectors[...])) < 1.0
+    assert 0.2 < float(jnp.std(random.embeddings.prompt.vectors[...])) < 1.0
 
 
 @pytest.mark.parametrize("settings, error", [
@@ -208,9 +211,9 @@ def test_bad_attach():
     _prompted(model)
     with pytest.raises(ValueError, match="already"):
         _prompted(model)
-    with pytest.raises(ValueError, match="soft prompt"):
+    with pytest.raises(ValueError, match="leading vectors"):
         model(_ids(seq=24 - G + 1))
-    with pytest.raises(ValueError, match="soft prompt"):
+    with pytest.raises(ValueError, match="leading vectors"):
         model.init_cache(2, 24 - G + 1)
     with pytest.raises(ValueError, match="segment_ids"):
         model(_ids(), segment_ids=jnp.zeros((2, 6), jnp.int32))

@@ -3,6 +3,8 @@ batch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -81,7 +83,7 @@ def test_dropout_draws_from_the_step_key():
     _, a = step(jax.tree.map(jnp.copy, state), batch)
     _, b = step(jax.tree.map(jnp.copy, state), batch)
     np.testing.assert_array_equal(a["loss"], b["loss"])  # same step, same key, same masks
-    _, c = step(jax.tree.map(jnp.copy, state).replace(step=state.step + 1), batch)
+    _, c = step(dataclasses.replace(jax.tree.map(jnp.copy, state), step=state.step + 1), batch)
     assert a["loss"] != c["loss"]  # another step, another dropout draw
     eval_step = make_eval_step(graphdef, rest, causal_lm)
     plain = eval_step(state, batch, jax.random.key(0))

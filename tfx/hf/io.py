@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tfx.nn.paths import path_name
+
 __all__ = ["Checkpoint", "assign_params", "current_values", "flat_params", "read_config",
            "read_json", "read_tensors", "stack_layers", "unstack_layers", "write_folder"]
 
@@ -224,14 +226,14 @@ def assign_params(model: nnx.Module, params: Mapping[Path, np.ndarray], *,
     extra = sorted(set(params) - set(expected), key=str)
     if missing or extra:
         raise ValueError(f"{source}: weights do not match the model: missing "
-                         f"{[_name(p) for p in missing][:5]}, unexpected "
-                         f"{[_name(p) for p in extra][:5]}")
+                         f"{[path_name(p) for p in missing][:5]}, unexpected "
+                         f"{[path_name(p) for p in extra][:5]}")
     for path, var in expected.items():
         if path not in params:  # optional, keeps its value
             continue
         value = np.asarray(params[path])
         if value.shape != var[...].shape:
-            raise ValueError(f"{source}: tensor for {_name(path)} has shape {value.shape}, "
+            raise ValueError(f"{source}: tensor for {path_name(path)} has shape {value.shape}, "
                              f"the model expects {var[...].shape}")
         var[...] = jnp.asarray(value, var[...].dtype)
 
@@ -312,7 +314,3 @@ def write_folder(folder: pathlib.Path, config: dict, tensors: Mapping[str, np.nd
     finally:
         if staging.exists():
             shutil.rmtree(staging)
-
-
-def _name(path: Path) -> str:
-    return "/".join(str(p) for p in path)

@@ -25,7 +25,8 @@ import numpy as np
 from flax import nnx
 
 from tfx.hf import bert, io, llama, mixtral
-from tfx.peft.core import find_modules, module_path
+from tfx.nn.paths import path_name
+from tfx.peft.core import find_modules
 from tfx.peft.lora import weights_of
 from tfx.peft.lora_modules import LoRAEmbedding, LoRALinear
 
@@ -96,12 +97,12 @@ def save_peft_adapter(model: nnx.Module, directory: str | pathlib.Path, *, archi
         raise ValueError(f"LoRA on tied token embeddings cannot be exported to {architecture}: "
                          "peft's embed_tokens adapter leaves the tied lm_head unchanged")
     factors = _per_layer(weights.factors, config.scan_layers)
-    tables = {module_path(p): np.asarray(m.table[...])
+    tables = {path_name(p): np.asarray(m.table[...])
               for p, m in find_modules(model, LoRAEmbedding)}
     tensors = {}
     for path, (a, b) in sorted(factors.items(), key=lambda item: str(item[0])):
         if path not in hf_modules:
-            raise ValueError(f"LoRA factors on {'/'.join(map(str, path))} have no "
+            raise ValueError(f"LoRA factors on {path_name(path)} have no "
                              f"{architecture} module to go to; it has modules for "
                              f"{sorted({_kind(p) for p in hf_modules})}")
         hf_name, leaf = hf_modules[path]
@@ -143,7 +144,7 @@ def _per_layer(factors: dict, stacked: bool) -> dict[Path, tuple[np.ndarray, np.
 
 def _kind(path: Path) -> str:
     """A module path without its layer number: "stack/layers/attention/query"."""
-    return "/".join(str(p) for p in path if not isinstance(p, int))
+    return path_name(tuple(p for p in path if not isinstance(p, int)))
 
 
 def _target_modules(adapted: set[str], available: set[str]) -> list[str]:

@@ -8,11 +8,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfx.models.config import TransformerConfig, compute_dtype
-from tfx.nn.attention import Attention, Rope
+from tfx.nn.attention import Attention
+from tfx.nn.caches import NoCache
 from tfx.nn.dropout import make_dropout
 from tfx.nn.mlp import MLP
 from tfx.nn.moe import MoE
 from tfx.nn.norms import make_norm
+from tfx.nn.positions import ALiBi, Position, Rope, Rotary, TransformerXL
 from tfx.ops.backends import current_platform
 from tfx.ops.kv_cache import LayerKV
 
@@ -32,19 +34,12 @@ class Block(nnx.Module):
 
     Pre-norm (GPT-2, LLaMA, T5): x + f(norm(x)); post-norm (BERT, original Transformer):
     norm(x + f(x)). Dropout is applied to each branch before the residual sum.
-
-    Bottleneck adapters (`tfx.peft.Adapters`) hook in as `attention_adapter`, `cross_adapter`
-    and `mlp_adapter` (None when absent): each maps its branch's output f(.) before dropout and
-    the residual sum, [batch, seq, d_model] -> same, for pre- and post-norm alike.
     """
 
     def __init__(self, config: TransformerConfig, *, cross_attention: bool = False,
                  moe: bool = False, rngs: nnx.Rngs):
         c = config
         kinds = dtypes(c)
-        rope = None
-        if c.position == "rope":
-            rope = Rope(c.rope_theta, c.rope_layout, c.rope_scaling, c.rope_fraction)
 
         def attention(**kwargs):
             return Attention(c.d_model, c.num_heads, num_kv_heads=c.kv_heads,
@@ -55,8 +50,7 @@ class Block(nnx.Module):
             return make_norm(c.norm, c.d_model, epsilon=c.norm_eps, rngs=rngs, **kinds)
 
         self.pre_norm = c.pre_norm
-        self.attention = attention(rope=rope, alibi=c.position == "alibi",
-                                   relative=c.position == "xl")
+        self.attention = attention(position=_position(c, rngs))
         self.attention_norm = norm()
         self.cross_attention = attention() if cross_attention else None
         self.cross_norm = norm() if cross_attention else None
@@ -72,15 +66,11 @@ class Block(nnx.Module):
                            use_bias=c.use_bias, rngs=rngs, **kinds)
         self.mlp_norm = norm()
         self.dropout = make_dropout(c.dropout, rngs=rngs)
-        # Set by tfx.peft.Adapters.attach; None adds no state.
-        self.attention_adapter = nnx.data(None)
-        self.cross_adapter = nnx.data(None)
-        self.mlp_adapter = nnx.data(None)
 
     def __call__(self, x: jax.Array, *, context: jax.Array | LayerKV | None = None,
-                 context_mask: jax.Array | None = None, cache: LayerKV | None = None,
+                 context_mask: jax.Array | None = None, cache: NoCache | None = None,
                  token_mask: jax.Array | None = None,
-                 **attention_args) -> jax.Array | tuple[jax.Array, LayerKV]:
+                 **attention_args) -> jax.Array | tuple[jax.Array, LayerKV | jax.Array]:
         """[batch, seq, d_model] -> same (and the updated self-attention cache, given one).
 
         Args:
@@ -88,35 +78,47 @@ class Block(nnx.Module):
             its keys and values cached by `cross_attention.keys_values`.
           context_mask: bool mask for the cross-attention, broadcastable to
             [batch, heads, seq, src_len].
-          cache: this layer's self-attention LayerKV (with `cache_step` in attention_args).
+          cache: this layer's self-attention cache, a kind of `tfx.nn.caches` (KVLayer,
+            SegmentLayer); the layer then also returns its next state.
           token_mask: bool [batch, seq], False for padding, for a mixture of experts (which
             then routes padding nowhere); ignored by a dense MLP.
-          attention_args: mask, bias, is_causal, sparsity, positions, segment ids, cache_step
-            of the self-attention (see `tfx.nn.Attention`).
+          attention_args: mask, bias, is_causal, sparsity, positions, segment ids of the
+            self-attention (see `tfx.nn.Attention`).
         """
-        def attend(h):
-            nonlocal cache
-            if cache is None:
-                return self.attention(h, **attention_args)
-            h, cache = self.attention(h, cache=cache, **attention_args)
-            return h
-
-        x = self._residual(x, self.attention_norm, attend, self.attention_adapter)
+        h = self.attention(self.branch_input("attention", x), cache=cache, **attention_args)
+        h, cache = (h, None) if cache is None else h
+        x = self.residual("attention", x, h)
         if self.cross_attention is not None:
-            x = self._residual(x, self.cross_norm,
-                               lambda h: self.cross_attention(h, context, mask=context_mask),
-                               self.cross_adapter)
-        def feed_forward(h):
-            return self.mlp(h, token_mask) if isinstance(self.mlp, MoE) else self.mlp(h)
-
-        x = self._residual(x, self.mlp_norm, feed_forward, self.mlp_adapter)
+            h = self.cross_attention(self.branch_input("cross", x), context, mask=context_mask)
+            x = self.residual("cross", x, h)
+        h = self.branch_input("mlp", x)
+        x = self.residual("mlp", x, self.mlp(h, token_mask) if isinstance(self.mlp, MoE)
+                          else self.mlp(h))
         return x if cache is None else (x, cache)
 
-    def _residual(self, x, norm, branch, adapter):
-        def adapted(h):
-            out = branch(h)
-            return out if adapter is None else adapter(out)
+    def branch_input(self, branch: str, x: jax.Array) -> jax.Array:
+        """What branch "attention", "cross" or "mlp" reads: its norm of x (pre-norm) or x."""
+        return getattr(self, f"{branch}_norm")(x) if self.pre_norm else x
 
+    def residual(self, branch: str, x: jax.Array, h: jax.Array) -> jax.Array:
+        """x plus the branch's output h [batch, seq, d_model], dropped out; post-norm models
+        then normalise the sum. A subclass may transform h first."""
         if self.pre_norm:
-            return x + self.dropout(adapted(norm(x)))
-        return norm(x + self.dropout(adapted(x)))
+            return x + self.dropout(h)
+        return getattr(self, f"{branch}_norm")(x + self.dropout(h))
+
+
+def _position(config: TransformerConfig, rngs: nnx.Rngs) -> Position | None:
+    """The positional encoding of a layer's self-attention (None: the embeddings carry
+    positions, T5's stack adds its bias, or there are none)."""
+    c = config
+    if c.position == "rope":
+        return Rotary(Rope(c.rope_theta, c.rope_layout, c.rope_scaling, c.rope_fraction))
+    if c.position == "alibi":
+        return ALiBi(c.num_heads)
+    if c.position == "xl":
+        head_dim = c.head_dim or c.d_model // c.num_heads
+        scale = head_dim**-0.5 if c.attention_scale is None else c.attention_scale
+        return TransformerXL(c.d_model, c.num_heads, head_dim, scale=scale, rngs=rngs,
+                             **dtypes(c))
+    return None

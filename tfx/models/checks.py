@@ -131,11 +131,12 @@ def in_range(name: str, x, low: int, high: int, what: str) -> None:
 
 def learned_positions(name: str, positions, config: TransformerConfig, offset: int = 0) -> None:
     """Require `positions` (int, any shape) in [0, config.max_len - offset) when the model has a
-    learned position table (offset: the soft prompt's tokens in front); no-op otherwise."""
+    learned position table (offset: the leading vectors in front, `tfx.models.leading`);
+    no-op otherwise."""
     if config.position == "learned":
         in_range(name, positions, 0, config.max_len - offset,
                  "the learned position table, config.max_len"
-                 + (f" - {offset} soft-prompt tokens" if offset else ""))
+                 + (f" - {offset} leading vectors" if offset else ""))
 
 
 def cache_room(name: str, cache: KVCache, valid, config: TransformerConfig) -> None:

@@ -11,8 +11,9 @@ from flax import nnx
 from tfx.models import checks
 from tfx.models.block import dtypes
 from tfx.models.config import DecoderConfig
-from tfx.models.prompting import prompt_inputs
+from tfx.models.leading import leading_inputs
 from tfx.models.stack import Embeddings, Stack
+from tfx.nn import axes
 from tfx.nn.embeddings import TokenEmbedding
 from tfx.ops.kv_cache import KVCache, SegmentMemory, init_cache, init_memory
 from tfx.ops.masks import padding_mask
@@ -33,9 +34,9 @@ class Decoder(nnx.Module):
         self.embeddings = Embeddings(config, rngs=rngs)
         self.stack = Stack(config, causal=True, rngs=rngs)
         self.head = (None if config.tie_embeddings else nnx.Linear(
-            config.d_model, config.vocab_size, use_bias=False, rngs=rngs, **dtypes(config)))
-        # A soft prompt (tfx.peft.SoftPrompt.attach; see tfx.models.prompting); None adds no state.
-        self.prompt = nnx.data(None)
+            config.d_model, config.vocab_size, use_bias=False,
+            kernel_metadata=axes.metadata(axes.EMBED, axes.VOCAB), rngs=rngs,
+            **dtypes(config)))
 
     def __call__(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None,
                  position_ids: jax.Array | None = None, segment_ids: jax.Array | None = None,
@@ -70,8 +71,8 @@ class Decoder(nnx.Module):
     def hidden_states(self, input_ids, *, attention_mask=None, position_ids=None,
                       segment_ids=None, cache: KVCache | SegmentMemory | None = None):
         """[batch, seq] -> the final-normalised hidden states [batch, seq, d_model] (and the
-        updated cache when one is given). A soft prompt runs before the tokens and its positions
-        are dropped (with a cache, `init_cache` has run it already)."""
+        updated cache when one is given). Leading vectors (`embeddings.num_leading`) run before
+        the tokens and their positions are dropped (with a cache, `init_cache` ran them)."""
         checks.token_ids("input_ids", input_ids, self.config.vocab_size)
         if cache is not None:
             if position_ids is not None or segment_ids is not None:
@@ -88,28 +89,28 @@ class Decoder(nnx.Module):
                 return x, SegmentMemory(hidden=hidden, valid=memory_valid)
             checks.cache_room("input_ids", cache, valid, self.config)
             return self._cached(input_ids, valid, cache)
-        skip = 0 if self.prompt is None else self.prompt.num_tokens
+        skip = self.embeddings.num_leading
         if position_ids is not None:
             checks.learned_positions("position_ids", position_ids, self.config, skip)
         positions = jnp.arange(input_ids.shape[1]) if position_ids is None else position_ids
-        vectors = None
-        if self.prompt is not None:
+        if skip:
             if segment_ids is not None:
-                raise ValueError("segment_ids (packed sequences) cannot be used with a soft "
-                                 "prompt, which sits before the whole row")
-            vectors, positions, attention_mask, _ = prompt_inputs(
-                self.prompt, self.config, input_ids, positions, attention_mask)
+                raise ValueError("segment_ids (packed sequences) cannot be used with leading "
+                                 "vectors, which sit before the whole row")
+            positions, attention_mask, _ = leading_inputs(
+                skip, self.config, input_ids, positions, attention_mask)
         mask = None if attention_mask is None else padding_mask(attention_mask.astype(bool))
-        x = self.embeddings(input_ids, positions, prompt=vectors)
+        x = self.embeddings(input_ids, positions,
+                            leading=self.embeddings.leading(input_ids.shape[0]))
         x = self.stack(x, positions=positions, mask=mask, segment_ids=segment_ids,
                        token_mask=attention_mask)
         return x[:, skip:]
 
-    def _cached(self, input_ids, valid, cache: KVCache, prompt: jax.Array | None = None):
-        """The KV-cache path: tokens (after the prompt vectors [batch, G, d_model], if given)
+    def _cached(self, input_ids, valid, cache: KVCache, leading: jax.Array | None = None):
+        """The KV-cache path: tokens (after `leading` vectors [batch, G, d_model], if given)
         continue each sequence; valid covers them all."""
         step, cache = cache.plan(valid)
-        x = self.embeddings(input_ids, jnp.maximum(step.query_positions, 0), prompt=prompt)
+        x = self.embeddings(input_ids, jnp.maximum(step.query_positions, 0), leading=leading)
         x, layers = self.stack(x, positions=step.query_positions, cache=cache.layers,
                                cache_step=step, token_mask=valid)
         return x, dataclasses.replace(cache, layers=layers)
@@ -119,21 +120,22 @@ class Decoder(nnx.Module):
         buffer of the sliding window when the config has one shorter than max_len); for
         position="xl", a Transformer-XL memory of the last `max_len` tokens.
 
-        With a soft prompt, the cache has room for G more and already holds the prompt (run
-        through the layers here, once), so decoding steps continue after it.
+        With leading vectors (`embeddings.num_leading`), the cache has room
+        for G more and already holds them (run through the layers here, once), so decoding
+        steps continue after them.
 
         dtype: of the cache (default: the compute dtype, float32 if unset).
         """
         c = self.config
-        g = 0 if self.prompt is None else self.prompt.num_tokens
+        g = self.embeddings.num_leading
         if c.position == "learned" and max_len + g > c.max_len:
-            raise ValueError(f"max_len ({max_len}) + soft prompt ({g} tokens) exceeds the "
+            raise ValueError(f"max_len ({max_len}) + {g} leading vectors exceeds the "
                              f"learned position table (config.max_len = {c.max_len})")
         dtype = jnp.dtype(dtype or dtypes(c)["dtype"] or jnp.float32)
         if c.position == "xl":
             if g:
-                raise ValueError("a soft prompt is not supported with a Transformer-XL memory "
-                                 "(position='xl'), which would forget it")
+                raise ValueError("leading vectors are not supported with a "
+                                 "Transformer-XL memory (position='xl'), which would forget them")
             return init_memory(num_layers=c.num_layers, batch=batch, mem_len=max_len,
                                d_model=c.d_model, dtype=dtype, stacked=c.scan_layers)
         cache = init_cache(num_layers=c.num_layers, batch=batch, max_len=max_len + g,
@@ -142,7 +144,7 @@ class Decoder(nnx.Module):
                            dtype=dtype, window=c.sliding_window, stacked=c.scan_layers)
         if g:
             _, cache = self._cached(jnp.zeros((batch, 0), jnp.int32), jnp.ones((batch, g), bool),
-                                    cache, prompt=self.prompt(batch))
+                                    cache, leading=self.embeddings.leading(batch))
         return cache
 
     def logits(self, hidden: jax.Array, output_weights: jax.Array | None = None) -> jax.Array:
@@ -160,8 +162,8 @@ class Decoder(nnx.Module):
         """The output head as one [d_model, vocab_size] matrix: the head's kernel, or the
         embedding table transposed when tied. A decoding loop takes it once: on CPU, the tied
         product with the [vocab_size, d_model] table re-lays the table out at every step.
-        None when the head is not a plain matrix (a PEFT-adapted head or table): the caller
-        then applies the head itself (`logits(hidden)`)."""
+        None when the head is not a plain matrix (a fine-tuning transform wrapped the head or
+        the table): the caller then applies the head itself (`logits(hidden)`)."""
         if self.head is None:
             tokens = self.embeddings.tokens
             return tokens.table[...].T if type(tokens) is TokenEmbedding else None

@@ -9,8 +9,9 @@ from flax import nnx
 from tfx.models import checks
 from tfx.models.block import dtypes
 from tfx.models.config import EncoderConfig
-from tfx.models.prompting import prompt_inputs
+from tfx.models.leading import leading_inputs
 from tfx.models.stack import Embeddings, Stack
+from tfx.nn import axes
 from tfx.nn.mlp import ACTIVATIONS
 from tfx.nn.norms import make_norm
 from tfx.ops.masks import padding_mask
@@ -49,12 +50,13 @@ class Encoder(nnx.Module):
         self.config = config
         self.embeddings = Embeddings(c, rngs=rngs)
         self.stack = Stack(c, causal=False, rngs=rngs)
-        self.pooler = nnx.Linear(c.d_model, c.d_model, rngs=rngs, **kinds)
-        self.mlm_transform = nnx.Linear(c.d_model, c.d_model, rngs=rngs, **kinds)
+        # d_model -> d_model: split the input dim only (FSDP), as the projections do.
+        square = dict(kernel_metadata=axes.metadata(axes.EMBED, None), **kinds)
+        self.pooler = nnx.Linear(c.d_model, c.d_model, rngs=rngs, **square)
+        self.mlm_transform = nnx.Linear(c.d_model, c.d_model, rngs=rngs, **square)
         self.mlm_norm = make_norm(c.norm, c.d_model, epsilon=c.norm_eps, rngs=rngs, **kinds)
-        self.mlm_bias = nnx.Param(jnp.zeros((c.vocab_size,), kinds["param_dtype"]))
-        # A soft prompt (tfx.peft.SoftPrompt.attach; see tfx.models.prompting); None adds no state.
-        self.prompt = nnx.data(None)
+        self.mlm_bias = nnx.Param(jnp.zeros((c.vocab_size,), kinds["param_dtype"]),
+                                  **axes.metadata(axes.VOCAB))
 
     def __call__(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None,
                  token_type_ids: jax.Array | None = None,
@@ -71,13 +73,13 @@ class Encoder(nnx.Module):
           position_ids: optional int [batch, seq] (default 0 .. seq - 1), within the learned
             table (< max_len) for position="learned".
         Returns:
-          float32 [batch, seq, d_model] (a soft prompt's positions are dropped).
+          float32 [batch, seq, d_model] (leading vectors' positions are dropped).
         Raises:
           ValueError for values out of range, as `Decoder` (see `tfx.models.checks`).
         """
         c = self.config
         checks.token_ids("input_ids", input_ids, c.vocab_size)
-        skip = 0 if self.prompt is None else self.prompt.num_tokens
+        skip = self.embeddings.num_leading
         if token_type_ids is not None:
             checks.same_shape("token_type_ids", token_type_ids, "input_ids", input_ids)
             checks.in_range("token_type_ids", token_type_ids, 0, c.type_vocab_size,
@@ -85,12 +87,12 @@ class Encoder(nnx.Module):
         if position_ids is not None:
             checks.learned_positions("position_ids", position_ids, c, skip)
         positions = jnp.arange(input_ids.shape[1]) if position_ids is None else position_ids
-        vectors = None
-        if self.prompt is not None:
-            vectors, positions, attention_mask, token_type_ids = prompt_inputs(
-                self.prompt, c, input_ids, positions, attention_mask, token_type_ids)
+        if skip:
+            positions, attention_mask, token_type_ids = leading_inputs(
+                skip, c, input_ids, positions, attention_mask, token_type_ids)
         mask = None if attention_mask is None else padding_mask(attention_mask.astype(bool))
-        x = self.embeddings(input_ids, positions, token_type_ids, prompt=vectors)
+        x = self.embeddings(input_ids, positions, token_type_ids,
+                            leading=self.embeddings.leading(input_ids.shape[0]))
         x = self.stack(x, positions=positions, mask=mask, token_mask=attention_mask)
         return x[:, skip:].astype(jnp.float32)
 

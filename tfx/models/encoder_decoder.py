@@ -11,8 +11,9 @@ from flax import nnx
 from tfx.models import checks
 from tfx.models.block import dtypes
 from tfx.models.config import EncoderDecoderConfig
-from tfx.models.prompting import prepend, prompt_inputs
+from tfx.models.leading import leading_inputs, prepend
 from tfx.models.stack import Embeddings, Stack
+from tfx.nn import axes
 from tfx.nn.embeddings import TokenEmbedding
 from tfx.ops.kv_cache import Seq2SeqCache, init_cache
 from tfx.ops.masks import padding_mask
@@ -44,10 +45,9 @@ class EncoderDecoder(nnx.Module):
         self.decoder = Stack(c, causal=True, cross_attention=True,
                              num_layers=c.decoder_layers, rngs=rngs)
         self.head = (None if c.tie_embeddings else
-                     nnx.Linear(c.d_model, c.vocab_size, use_bias=False, rngs=rngs, **kinds))
-        # A soft prompt (tfx.peft.SoftPrompt.attach) goes before the encoder input, as in peft;
-        # see tfx.models.prompting. None adds no state.
-        self.prompt = nnx.data(None)
+                     nnx.Linear(c.d_model, c.vocab_size, use_bias=False,
+                                kernel_metadata=axes.metadata(axes.EMBED, axes.VOCAB),
+                                rngs=rngs, **kinds))
 
     def __call__(self, input_ids: jax.Array, *, decoder_input_ids: jax.Array,
                  attention_mask: jax.Array | None = None,
@@ -60,18 +60,19 @@ class EncoderDecoder(nnx.Module):
     def encode(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None):
         """int [batch, src_len] -> encoder output [batch, src_len, d_model].
 
-        With a soft prompt of G vectors the output keeps them in front, [batch, G + src_len,
-        d_model], so that the decoder attends to them too (as in peft); `decode` and
-        `init_cache` still take the [batch, src_len] attention_mask of the tokens.
+        With G leading vectors (`encoder_embeddings.num_leading`) the output keeps them in
+        front, [batch, G + src_len, d_model], so that the decoder attends to them too;
+        `decode` and `init_cache` still take the [batch, src_len] attention_mask of the tokens.
         """
         checks.token_ids("input_ids", input_ids, self.config.vocab_size)
         positions = jnp.arange(input_ids.shape[1])
-        vectors = None
-        if self.prompt is not None:
-            vectors, positions, attention_mask, _ = prompt_inputs(
-                self.prompt, self.config, input_ids, positions, attention_mask)
+        if self.encoder_embeddings.num_leading:
+            positions, attention_mask, _ = leading_inputs(
+                self.encoder_embeddings.num_leading, self.config, input_ids, positions,
+                attention_mask)
         mask = None if attention_mask is None else padding_mask(attention_mask.astype(bool))
-        return self.encoder(self.encoder_embeddings(input_ids, positions, prompt=vectors),
+        leading = self.encoder_embeddings.leading(input_ids.shape[0])
+        return self.encoder(self.encoder_embeddings(input_ids, positions, leading=leading),
                             positions=positions, mask=mask, token_mask=attention_mask)
 
     def decode(self, decoder_input_ids: jax.Array, encoded: jax.Array | None = None, *,
@@ -137,12 +138,11 @@ class EncoderDecoder(nnx.Module):
 
     def _context_mask(self, attention_mask: jax.Array | None) -> jax.Array | None:
         """The source mask [batch, src_len] -> the cross-attention key mask over the encoder
-        output (with True for a soft prompt's G vectors in front)."""
+        output (with True for the encoder's leading vectors in front)."""
         if attention_mask is None:
             return None
-        attention_mask = attention_mask.astype(bool)
-        if self.prompt is not None:
-            attention_mask = prepend(attention_mask, self.prompt.num_tokens, True)
+        attention_mask = prepend(attention_mask.astype(bool),
+                                 self.encoder_embeddings.num_leading, True)
         return padding_mask(attention_mask)
 
     def _logits(self, hidden: jax.Array) -> jax.Array:

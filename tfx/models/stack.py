@@ -8,6 +8,8 @@ from flax import nnx
 
 from tfx.models.block import Block, dtypes
 from tfx.models.config import EncoderConfig, TransformerConfig
+from tfx.nn import axes
+from tfx.nn.caches import KVLayer, SegmentLayer
 from tfx.nn.dropout import make_dropout
 from tfx.nn.embeddings import LearnedPositions, SinusoidalPositions, TokenEmbedding
 from tfx.nn.norms import make_norm
@@ -36,26 +38,35 @@ class Embeddings(nnx.Module):
         elif c.position == "sinusoidal":
             positions = SinusoidalPositions(c.d_model, dtype=kinds["dtype"])
         self.positions = positions
-        self.token_types = (TokenEmbedding(c.type_vocab_size, c.d_model, rngs=rngs, **kinds)
+        # Two rows (BERT's segments): too few to split over the vocabulary's mesh axes.
+        self.token_types = (TokenEmbedding(c.type_vocab_size, c.d_model, vocab_axis=None,
+                                           rngs=rngs, **kinds)
                             if isinstance(c, EncoderConfig) else None)
         self.norm = None if c.pre_norm else make_norm(c.norm, c.d_model, epsilon=c.norm_eps,
                                                       rngs=rngs, **kinds)
         self.dropout = make_dropout(c.dropout, rngs=rngs)
 
+    num_leading = 0  # vectors put before the tokens at every call (see `leading`)
+
+    def leading(self, batch: int) -> jax.Array | None:
+        """The `num_leading` vectors [batch, G, d_model] that models put before the tokens of
+        a sequence (`tfx.models.leading`), or None: none here; a subclass may add some."""
+        return None
+
     def __call__(self, input_ids: jax.Array, positions: jax.Array,
                  token_type_ids: jax.Array | None = None, *,
-                 prompt: jax.Array | None = None) -> jax.Array:
+                 leading: jax.Array | None = None) -> jax.Array:
         """int [batch, seq] -> [batch, seq, d_model].
 
-        prompt: soft-prompt vectors [batch, G, d_model] put before the token embeddings, so that
-          they get positions, token types and the norm like tokens (`positions` and
+        leading: vectors [batch, G, d_model] put before the token embeddings (`self.leading`),
+          so that they get positions, token types and the norm like tokens (`positions` and
           `token_type_ids` then cover G + seq); the output is [batch, G + seq, d_model].
         """
         x = self.tokens(input_ids)
         if self.token_scale is not None:
             x = x * jnp.asarray(self.token_scale, x.dtype)
-        if prompt is not None:
-            x = jnp.concatenate([prompt.astype(x.dtype), x], axis=1)
+        if leading is not None:
+            x = jnp.concatenate([leading.astype(x.dtype), x], axis=1)
         if self.positions is not None:
             x = x + self.positions(positions)
         if self.token_types is not None:
@@ -97,7 +108,8 @@ class Stack(nnx.Module):
         if c.scan_layers:
             # One Block whose weights carry a leading [num_layers] axis, compiled once.
             @nnx.split_rngs(splits=count)
-            @nnx.vmap(in_axes=(0,), out_axes=0)
+            @nnx.vmap(in_axes=(0,), out_axes=0,
+                      transform_metadata={nnx.PARTITION_NAME: axes.LAYERS})
             def stacked(rngs):
                 return Block(c, cross_attention=cross_attention, moe=c.is_moe_layer(0),
                              rngs=rngs)
@@ -157,12 +169,13 @@ class Stack(nnx.Module):
                                       positions if cache_step is None else key_positions)
         args = dict(mask=mask, bias=bias, is_causal=is_causal, sparsity=sparsity,
                     positions=positions, query_segment_ids=segment_ids,
-                    context_mask=context_mask, cache_step=cache_step)
+                    context_mask=context_mask)
         per_layer_context = isinstance(context, LayerKV | tuple)
+        kind = SegmentLayer if cache_step is None else (lambda kv: KVLayer(kv, cache_step))
 
         def run(h, block, layer_cache, layer_context):
-            out = block(h, context=layer_context, cache=layer_cache, token_mask=token_mask,
-                        **args)
+            out = block(h, context=layer_context, token_mask=token_mask,
+                        cache=None if layer_cache is None else kind(layer_cache), **args)
             return out if layer_cache is not None else (out, None)
 
         run = nnx.remat(run) if self.remat else run

@@ -1,10 +1,14 @@
 """Flax NNX modules: thin wrappers that own parameters and call `tfx.ops`."""
 
-from tfx.nn.attention import Attention, Rope
+from tfx.nn.attention import Attention
+from tfx.nn.caches import CrossKV, Keys, KVLayer, NoCache, SegmentLayer
 from tfx.nn.embeddings import LearnedPositions, SinusoidalPositions, TokenEmbedding
 from tfx.nn.mlp import ACTIVATIONS, MLP
 from tfx.nn.norms import NORMS, make_norm
+from tfx.nn.positions import ALiBi, Position, Rope, Rotary, TransformerXL
 from tfx.nn.relative_bias import RelativePositionBias
 
-__all__ = ["ACTIVATIONS", "MLP", "NORMS", "Attention", "LearnedPositions",
-           "RelativePositionBias", "Rope", "SinusoidalPositions", "TokenEmbedding", "make_norm"]
+__all__ = ["ACTIVATIONS", "MLP", "NORMS", "ALiBi", "Attention", "CrossKV", "KVLayer", "Keys",
+           "LearnedPositions", "NoCache", "Position", "RelativePositionBias", "Rope", "Rotary",
+           "SegmentLayer", "SinusoidalPositions", "TokenEmbedding", "TransformerXL",
+           "make_norm"]

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfx.nn import axes
 from tfx.ops import _checks
 from tfx.ops.positional import sinusoidal
 
@@ -20,13 +21,17 @@ class TokenEmbedding(nnx.Module):
       one_hot: compute the lookup as one_hot(ids) @ table, the matrix view of embedding used in
         teaching; the default gather gives the same numbers without the [.., vocab] one-hot.
       init_std: standard deviation of the normal initialisation (GPT-2 / BERT use 0.02).
+      vocab_axis: logical axis of the table's rows (tfx.nn.axes): axes.VOCAB for tokens, None
+        (replicated) for a table too small to split, such as BERT's two token types.
     """
 
     def __init__(self, vocab_size: int, d_model: int, *, one_hot: bool = False,
-                 init_std: float = 0.02, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 init_std: float = 0.02, vocab_axis: str | None = axes.VOCAB, dtype=None,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.vocab_size, self.one_hot, self.dtype = vocab_size, one_hot, dtype
         init = jax.nn.initializers.normal(init_std)
-        self.table = nnx.Param(init(rngs.params(), (vocab_size, d_model), param_dtype))
+        self.table = nnx.Param(init(rngs.params(), (vocab_size, d_model), param_dtype),
+                               **axes.metadata(vocab_axis, axes.EMBED))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """int [batch, seq] -> [batch, seq, d_model] in the compute dtype."""
@@ -49,7 +54,8 @@ class LearnedPositions(nnx.Module):
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.max_len, self.dtype = max_len, dtype
         init = jax.nn.initializers.normal(init_std)
-        self.table = nnx.Param(init(rngs.params(), (max_len, d_model), param_dtype))
+        self.table = nnx.Param(init(rngs.params(), (max_len, d_model), param_dtype),
+                               **axes.metadata(None, axes.EMBED))
 
     def __call__(self, positions: jax.Array) -> jax.Array:
         """int [..., seq] -> [..., seq, d_model]. Positions must be < max_len (checked when

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfx.nn import axes
 from tfx.nn.dropout import make_dropout
 from tfx.ops.activations import ACTIVATIONS
 
@@ -30,13 +31,16 @@ class MLP(nnx.Module):
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         self.activation = activation
 
-        def linear(features_in, features_out):
+        def linear(features_in, features_out, kernel_axes, bias_axes):
             return nnx.Linear(features_in, features_out, use_bias=use_bias, dtype=dtype,
-                              param_dtype=param_dtype, rngs=rngs)
+                              param_dtype=param_dtype, kernel_metadata=axes.metadata(*kernel_axes),
+                              bias_metadata=axes.metadata(*bias_axes), rngs=rngs)
 
-        self.up = linear(d_model, d_ff)
-        self.gate = linear(d_model, d_ff) if gated else None
-        self.down = linear(d_ff, d_model)
+        # Megatron: up/gate split their output (d_ff) dim, down its input dim; down's bias
+        # over d_model declares no axes (replicated).
+        self.up = linear(d_model, d_ff, (axes.EMBED, axes.MLP), (axes.MLP,))
+        self.gate = linear(d_model, d_ff, (axes.EMBED, axes.MLP), (axes.MLP,)) if gated else None
+        self.down = linear(d_ff, d_model, (axes.MLP, axes.EMBED), ())
         self.dropout = make_dropout(dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:

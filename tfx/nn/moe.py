@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfx.nn import axes
 from tfx.nn.mlp import MLP
 from tfx.ops import moe
 
@@ -31,13 +32,14 @@ class Experts(nnx.Module):
         init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
                                                     in_axis=-2, out_axis=-1, batch_axis=(0,))
 
-        def param(features_in, features_out):
+        def param(features_in, features_out, feature_axes):
             shape = (num_experts, features_in, features_out)
-            return nnx.Param(init(rngs.params(), shape, param_dtype))
+            return nnx.Param(init(rngs.params(), shape, param_dtype),
+                             **axes.metadata(axes.EXPERT, *feature_axes))
 
-        self.gate = param(d_model, d_ff) if gated else None
-        self.up = param(d_model, d_ff)
-        self.down = param(d_ff, d_model)
+        self.gate = param(d_model, d_ff, (axes.EMBED, axes.MLP)) if gated else None
+        self.up = param(d_model, d_ff, (axes.EMBED, axes.MLP))
+        self.down = param(d_ff, d_model, (axes.MLP, axes.EMBED))
 
     def weights(self) -> moe.ExpertWeights:
         return moe.ExpertWeights(gate=None if self.gate is None else self.gate[...],
@@ -70,8 +72,9 @@ class MoE(nnx.Module):
                  jitter: float = 0.0, implementation: str | None = None,
                  shared_experts: int = 0, dtype=None,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
+        # Replicated: every device routes its own tokens over all experts.
         self.router = nnx.Linear(d_model, num_experts, use_bias=False, param_dtype=param_dtype,
-                                 rngs=rngs)
+                                 kernel_metadata=axes.metadata(None, None), rngs=rngs)
         self.experts = Experts(num_experts, d_model, d_ff, gated=gated, param_dtype=param_dtype,
                                rngs=rngs)
         # The settings of tfx.ops.moe.moe, as a tuple: module attributes that are not arrays

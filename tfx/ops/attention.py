@@ -49,7 +49,8 @@ _MASKED_LOGIT = float(np.finfo(np.float32).min)
 
 @functools.partial(
     jax.jit,
-    static_argnames=("is_causal", "scale", "sparsity", "implementation", "block_sizes"),
+    static_argnames=("is_causal", "scale", "sparsity", "implementation", "block_sizes",
+                     "heads_major"),
 )
 def dot_product_attention(
     query: jax.Array,
@@ -65,6 +66,7 @@ def dot_product_attention(
     key_segment_ids: jax.Array | None = None,
     implementation: str | None = None,
     block_sizes: tuple[int, int] | None = None,
+    heads_major: bool = False,
 ) -> jax.Array:
     """softmax(query·keyᵀ·scale + bias, masked) · value, per head.
 
@@ -98,6 +100,10 @@ def dot_product_attention(
         "pallas_gpu" and "splash" forced on CPU run in Pallas interpret mode (slow; for tests).
       block_sizes: (block_q, block_k) tile sizes of the blocked path; default
         (BLOCK_Q, BLOCK_K), each capped at its sequence length.
+      heads_major: key and value are [batch, num_kv_heads, kv_len, dim], as KV caches store
+        them: `cached_attention` then runs (reference maths, the few queries of a decoding
+        step), which takes visibility from `mask` and `bias` only; `implementation` and
+        `block_sizes` apply to the other layout.
     Returns:
       [batch, q_len, num_heads, value_dim] in the dtype of value. Scores and softmax statistics
       are float32 for every input dtype. A query row with no visible key (masked, hidden by a
@@ -105,6 +111,11 @@ def dot_product_attention(
       q_len, num_heads or value_dim gives the empty result. num_kv_heads and head_dim must be
       >= 1.
     """
+    if heads_major:
+        if is_causal or sparsity is not None or query_segment_ids is not None:
+            raise ValueError("heads-major keys take visibility from mask and bias only: "
+                             "is_causal, sparsity and segment ids must be unset")
+        return cached_attention(query, key, value, bias=bias, mask=mask, scale=scale)
     cross_segments = key_segment_ids is not None
     if key_segment_ids is None:
         key_segment_ids = query_segment_ids

@@ -16,8 +16,8 @@ with every dim either full or 1 (K = num_kv_heads, G = num_heads // num_kv_heads
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,9 @@ __all__ = ["ScoreInputs", "blocked_attention"]
 _ROW_MAX_INIT = float(np.finfo(np.float32).min)
 
 
-class ScoreInputs(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScoreInputs:
     """What shapes the scores besides Q and K; any field may be None.
 
     bias: float [b, k, g, t, s]; mask: bool [b, k, g, t, s] (True = may attend);

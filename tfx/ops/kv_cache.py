@@ -2,7 +2,7 @@
 
 Why keys and values and not queries: a new token's query is used once, by that token, but every
 later token attends to its key and value. Caching them turns each decoding step from
-O(seq * d_model^2) projections for the whole prefix into O(d_model^2) for one token.
+O(seq * d_model^2) projections for the whole sequence so far into O(d_model^2) for one token.
 
 Layout. Each layer holds `LayerKV` arrays [batch, num_kv_heads, cache_len, head_dim] (GQA/MQA
 store only their KV heads). Heads-major rather than the [batch, seq, heads, dim] of activations:
@@ -41,18 +41,13 @@ __all__ = [
 ]
 
 
-def _pytree(*, meta=()):
-    """Register a frozen dataclass as a pytree whose fields are arrays except `meta`."""
-
-    def register(cls):
-        cls = dataclasses.dataclass(frozen=True)(cls)
-        data = [f.name for f in dataclasses.fields(cls) if f.name not in meta]
-        return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=list(meta))
-
-    return register
+def _static():
+    """A field that is part of the pytree's structure (static under jit), not an array."""
+    return dataclasses.field(metadata=dict(static=True))
 
 
-@_pytree()
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class LayerKV:
     """One attention layer's keys and values, each [batch, num_kv_heads, cache_len, head_dim]
     (with a leading [num_layers] axis when a model stacks its layers)."""
@@ -65,7 +60,8 @@ class LayerKV:
         return self.key.nbytes + self.value.nbytes
 
 
-@_pytree(meta=("append",))
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class CacheStep:
     """What one call writes and sees, computed once and shared by every layer.
 
@@ -84,10 +80,11 @@ class CacheStep:
     query_positions: jax.Array
     key_positions: jax.Array
     mask: jax.Array
-    append: bool
+    append: bool = _static()
 
 
-@_pytree(meta=("window",))
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class KVCache:
     """A decoder's cache: per-layer keys/values and the slot bookkeeping the layers share.
 
@@ -100,7 +97,7 @@ class KVCache:
     layers: tuple[LayerKV, ...] | LayerKV
     positions: jax.Array
     next_position: jax.Array
-    window: int | None
+    window: int | None = _static()
 
     @property
     def nbytes(self) -> int:
@@ -185,7 +182,7 @@ def write(layer: LayerKV, key: jax.Array, value: jax.Array,
     "num_layers", "batch", "max_len", "num_kv_heads", "head_dim", "dtype", "window", "stacked"))
 def init_cache(*, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
                dtype=jnp.float32, window: int | None = None, stacked: bool = False) -> KVCache:
-    """An empty cache for sequences of up to `max_len` tokens (prompt and generated together).
+    """An empty cache for sequences of up to `max_len` tokens (input and generated together).
 
     With a sliding `window` shorter than max_len the cache is a ring buffer of `window` slots,
     so its memory does not grow with the sequence.
@@ -219,7 +216,8 @@ def init_cache(*, num_layers: int, batch: int, max_len: int, num_kv_heads: int, 
                    next_position=jnp.zeros((batch,), jnp.int32), window=window if ring else None)
 
 
-@_pytree()
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Seq2SeqCache:
     """An encoder–decoder's decoding state: the decoder's self-attention KVCache, every layer's
     cross-attention keys/values of the encoder output (computed once), and the encoder mask.
@@ -245,7 +243,8 @@ class Seq2SeqCache:
         return Seq2SeqCache(decoder=self.decoder.take(rows), cross=cross, context_mask=mask)
 
 
-@_pytree()
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class SegmentMemory:
     """Transformer-XL's recurrence (Dai et al. 2019): every layer's attention inputs for the last
     mem_len tokens, prepended to the next segment's keys and values without gradient.

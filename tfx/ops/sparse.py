@@ -31,11 +31,11 @@ from tfx.ops import _checks
 __all__ = [
     "SPEC_GRAMMAR",
     "SPEC_NAMES",
-    "AfterPrefix",
     "Causal",
     "Fixed",
     "GlobalTokens",
     "Intersection",
+    "LeadingKeys",
     "RandomBlocks",
     "SlidingWindow",
     "SparsitySpec",
@@ -136,19 +136,19 @@ def _block_layout(
 
 
 @dataclasses.dataclass(frozen=True)
-class AfterPrefix(SparsitySpec):
-    """`inner` over the keys that follow `num_prefix` prefix keys (prefix tuning's learned
-    keys), which every query sees: a causal mask with a prefix is AfterPrefix(Causal(), G), not
-    a top-left aligned causal mask over all keys. Static, so blocked kernels still skip the
-    tiles that `inner` leaves empty."""
+class LeadingKeys(SparsitySpec):
+    """`inner` over the keys that follow `num_leading` leading keys (learned keys put before
+    the real ones, e.g. `tfx.ops.leading_keys.prepend_keys`), which every query sees: a causal
+    mask after G such keys is LeadingKeys(Causal(), G), not a top-left aligned causal mask over
+    all keys. Static, so blocked kernels still skip the tiles that `inner` leaves empty."""
 
     inner: SparsitySpec
-    num_prefix: int
+    num_leading: int
 
     def allows(self, q_pos, k_pos, kv_len):
-        shifted = np.maximum(k_pos - self.num_prefix, 0)  # prefix columns are answered below
-        inner = self.inner.allows(q_pos, shifted, kv_len - self.num_prefix)
-        return (k_pos < self.num_prefix) | inner
+        shifted = np.maximum(k_pos - self.num_leading, 0)  # leading columns are answered below
+        inner = self.inner.allows(q_pos, shifted, kv_len - self.num_leading)
+        return (k_pos < self.num_leading) | inner
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,14 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-from tfx.ops.sparse import AfterPrefix, Causal, Intersection, SlidingWindow, SparsitySpec, Union
+from tfx.ops.sparse import (
+    Causal,
+    Intersection,
+    LeadingKeys,
+    SlidingWindow,
+    SparsitySpec,
+    Union,
+)
 
 __all__ = ["key_mask_as_segments", "splash_attention", "splash_block", "splash_mask"]
 
@@ -38,9 +45,9 @@ def splash_mask(spec: SparsitySpec | None, q_len: int, kv_len: int) -> masks.Mas
         return masks.CausalMask(shape)
     if isinstance(spec, SlidingWindow):
         return masks.LocalMask(shape, window_size=(spec.size - 1, 0), offset=0)
-    if isinstance(spec, AfterPrefix) and spec.inner == Causal():
-        # Causal over the keys after the prefix sees every prefix key too: a shifted diagonal.
-        return masks.CausalMask(shape, offset=spec.num_prefix)
+    if isinstance(spec, LeadingKeys) and spec.inner == Causal():
+        # Causal over the keys after the leading ones sees every leading key: a shifted diagonal.
+        return masks.CausalMask(shape, offset=spec.num_leading)
     if isinstance(spec, (Union, Intersection)):
         parts = [splash_mask(part, q_len, kv_len) for part in spec.parts]
         if not all(isinstance(part, masks.NumpyMask) for part in parts):

@@ -10,10 +10,9 @@ multi-process runs. See DESIGN.md; a typical use:
 
 from tfx.parallel.distributed import global_batch, initialize, process_row_range, process_rows
 from tfx.parallel.mesh import AXES, make_mesh, mesh_from_config
-from tfx.parallel.rules import DEFAULT_RULES, PARAM_AXES, logical_axes, param_specs
+from tfx.parallel.rules import DEFAULT_RULES, logical_axes, param_specs
 from tfx.parallel.sharding import BATCH_AXES, batch_sharding, shard, state_shardings, state_specs
 
-__all__ = ["AXES", "BATCH_AXES", "DEFAULT_RULES", "PARAM_AXES", "batch_sharding",
-           "global_batch", "initialize", "logical_axes", "make_mesh", "mesh_from_config",
-           "param_specs", "process_row_range", "process_rows", "shard", "state_shardings",
-           "state_specs"]
+__all__ = ["AXES", "BATCH_AXES", "DEFAULT_RULES", "batch_sharding", "global_batch",
+           "initialize", "logical_axes", "make_mesh", "mesh_from_config", "param_specs",
+           "process_row_range", "process_rows", "shard", "state_shardings", "state_specs"]

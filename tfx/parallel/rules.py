@@ -1,18 +1,19 @@
 """Which mesh axes each parameter is split over, in MaxText's two steps but small:
 
-1. `PARAM_AXES` names the *logical* axis of every dimension of a parameter, found by its path
-   in the `nnx.split` state ("stack/layers/0/attention/query/kernel" -> ("embed", "heads")).
-2. `rules` map logical axes to mesh axes (`DEFAULT_RULES`).
+1. Every parameter names the *logical* axis of each of its dimensions where it is made
+   (`tfx.nn.axes.metadata`, e.g. an attention query kernel ("embed", "heads")); layers
+   stacked by `nnx.vmap` (`scan_layers=True`) get a leading "layers". A parameter that names
+   no axes (norm scales, biases over d_model, relative-position tables, PEFT parameters) is
+   replicated.
+2. `rules` map logical axes to mesh axes (`DEFAULT_RULES`), here and nowhere else.
 
 The defaults give Megatron tensor parallelism — query/key/value and MLP up/gate split their
 output dimension over "tensor", the attention output and MLP down projections their input
 dimension, so each layer needs one all-reduce forward — and FSDP: the other (d_model)
-dimension of every matrix over "fsdp". Vectors (norm scales, biases over d_model) and small
-tables (relative-position biases) stay replicated; biases over heads or the MLP hidden width
-follow their dimension. Stacked layers (`scan_layers=True`) add a leading "layers" dimension.
-Mixture-of-experts weights [E, ...] split their experts over "expert" (expert parallelism,
-tfx.ops.moe.expert_parallel_moe) and their other dims like the dense MLP's; the router
-[d_model, E] is replicated (every device routes its own tokens over all experts).
+dimension of every matrix over "fsdp". Biases over heads or the MLP hidden width follow their
+dimension. Mixture-of-experts weights [E, ...] split their experts over "expert" (expert
+parallelism, tfx.ops.moe.expert_parallel_moe) and their other dims like the dense MLP's; the
+router [d_model, E] is replicated (every device routes its own tokens over all experts).
 
 A dimension stays replicated when its size is not divisible by the product of its mesh axes'
 sizes (e.g. BERT's vocabulary of 30522 over tensor=4), and a mesh axis splits at most one
@@ -23,13 +24,16 @@ dimension of a parameter. Splitting q/k/v inside a head (num_kv_heads not a mult
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 
 import jax
+from flax import nnx
 from jax.sharding import PartitionSpec
 
-__all__ = ["DEFAULT_RULES", "PARAM_AXES", "logical_axes", "param_specs", "path_name", "spec_for"]
+from tfx.nn.axes import KEY, LAYERS
+from tfx.nn.paths import path_name
+
+__all__ = ["DEFAULT_RULES", "logical_axes", "param_specs", "spec_for"]
 
 # Logical axis -> mesh axis, tuple of mesh axes, or None (replicated). A logical axis missing
 # from the rules is replicated.
@@ -41,48 +45,6 @@ DEFAULT_RULES: Mapping[str, str | tuple[str, ...] | None] = {
     "expert": "expert",
     "layers": None,
 }
-
-# (regular expression searched in the "/"-joined path, logical axes of the trailing dims).
-# The first match wins; an unmatched parameter is replicated.
-PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
-    (r"(^|/)tokens/table$", ("vocab", "embed")),
-    (r"(^|/)(positions|token_types)/table$", (None, "embed")),
-    (r"(^|/)head/kernel$", ("embed", "vocab")),
-    (r"(^|/)mlm_bias$", ("vocab",)),
-    (r"(^|/)(query|key|value|position_proj)/kernel$", ("embed", "heads")),
-    (r"(^|/)(query|key|value)/bias$", ("heads",)),
-    (r"(^|/)out/kernel$", ("heads", "embed")),
-    (r"(^|/)(up|gate)/kernel$", ("embed", "mlp")),
-    (r"(^|/)(up|gate)/bias$", ("mlp",)),
-    (r"(^|/)down/kernel$", ("mlp", "embed")),
-    (r"(^|/)(pooler|mlm_transform)/kernel$", ("embed", None)),
-    (r"(^|/)mlp/experts/(gate|up)$", ("expert", "embed", "mlp")),
-    (r"(^|/)mlp/experts/down$", ("expert", "mlp", "embed")),
-    (r"(^|/)mlp/router/kernel$", (None, None)),
-)
-
-
-def path_name(path: tuple) -> str:
-    """A jax key path -> "stack/layers/0/attention/query/kernel" (the Variable's trailing
-    `.value` attribute dropped)."""
-    parts = []
-    for key in path:
-        if isinstance(key, jax.tree_util.DictKey):
-            parts.append(str(key.key))
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(str(key.idx))
-        elif isinstance(key, jax.tree_util.GetAttrKey) and key.name != "value":
-            parts.append(key.name)
-    return "/".join(parts)
-
-
-def logical_axes(name: str, ndim: int) -> tuple[str | None, ...]:
-    """Logical axis of each of the `ndim` dimensions of the parameter at path `name`; extra
-    leading dimensions (stacked layers) are "layers"."""
-    for pattern, axes in PARAM_AXES:
-        if re.search(pattern, name) and ndim >= len(axes):
-            return ("layers",) * (ndim - len(axes)) + axes
-    return (None,) * ndim
 
 
 def spec_for(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh_shape: Mapping[str, int],
@@ -108,11 +70,33 @@ def spec_for(shape: tuple[int, ...], axes: tuple[str | None, ...], mesh_shape: M
     return PartitionSpec(*spec)
 
 
+def logical_axes(param: nnx.Variable, name: str = "parameter") -> tuple[str | None, ...]:
+    """The logical axis of each dimension of `param` as declared where it was made
+    (`tfx.nn.axes.metadata`); all None (replicated) when it declares none. `name`, its path,
+    goes into the error raised when the names do not match its dimensions."""
+    names = tuple(param.get_metadata(KEY, None) or ())
+    if not names:
+        return (None,) * len(param.shape)
+    if len(names) != len(param.shape):
+        # Fewer names than dims: most likely layers stacked without naming their axis.
+        hint = ("" if len(names) > len(param.shape) else "; layers stacked by nnx.vmap need "
+                f"transform_metadata={{nnx.PARTITION_NAME: {LAYERS!r}}}")
+        raise ValueError(f"{name}: its metadata names {len(names)} axes {names} for a "
+                         f"parameter of shape {tuple(param.shape)}{hint}")
+    return names
+
+
 def param_specs(params, mesh, rules: Mapping = DEFAULT_RULES):
-    """A tree like `params` (the nnx.Param state, arrays or ShapeDtypeStructs) of
-    PartitionSpecs, each from the parameter's path and shape. `mesh`: a Mesh or AbstractMesh
-    (only its axis sizes are read)."""
+    """A tree like `params` (the nnx.Param state, values arrays or ShapeDtypeStructs) of
+    PartitionSpecs, each from the parameter's declared logical axes and its shape; leaves that
+    are not nnx Variables (no metadata) are replicated. `mesh`: a Mesh or AbstractMesh (only
+    its axis sizes are read)."""
     mesh_shape = dict(mesh.shape)
-    return jax.tree.map_with_path(
-        lambda path, x: spec_for(x.shape, logical_axes(path_name(path), len(x.shape)),
-                                 mesh_shape, rules), params)
+
+    def spec(path, leaf):
+        if not isinstance(leaf, nnx.Variable):
+            return PartitionSpec()
+        names = logical_axes(leaf, path_name(path))
+        return leaf.replace(spec_for(leaf.shape, names, mesh_shape, rules))
+
+    return jax.tree.map_with_path(spec, params, is_leaf=lambda x: isinstance(x, nnx.Variable))

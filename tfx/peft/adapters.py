@@ -6,8 +6,9 @@ output of a layer's branches, every model weight frozen.
 Placements: "houlsby" puts one after the self-attention and one after the MLP of every layer,
 "pfeiffer" one after the MLP only. With `cross_attention=True` the decoder layers of an
 encoder–decoder also get one after their cross-attention (adapter-transformers' `cross_adapter`,
-off by default there too). The Block applies each to its branch before dropout and the residual
-sum (see `tfx.models.block.Block`).
+off by default there too). `attach` makes each Block an `AdaptedBlock` in place (its class
+swapped, so weights keep their paths), which applies each adapter to its branch's output
+before dropout and the residual sum.
 """
 
 from __future__ import annotations
@@ -23,10 +24,19 @@ from tfx.models.stack import Stack
 from tfx.ops.activations import ACTIVATIONS
 from tfx.peft.core import PeftParam, find_modules
 
-__all__ = ["PLACEMENTS", "Adapter", "Adapters"]
+__all__ = ["PLACEMENTS", "AdaptedBlock", "Adapter", "Adapters"]
 
-# The Block hooks that each placement fills.
+# The AdaptedBlock attributes that each placement fills.
 PLACEMENTS = {"houlsby": ("attention_adapter", "mlp_adapter"), "pfeiffer": ("mlp_adapter",)}
+
+
+class AdaptedBlock(Block):
+    """A Block whose branches' outputs pass through their adapters: attributes
+    attention_adapter, cross_adapter and mlp_adapter, each an Adapter or None."""
+
+    def residual(self, branch: str, x: jax.Array, h: jax.Array) -> jax.Array:
+        adapter = getattr(self, f"{branch}_adapter")
+        return super().residual(branch, x, h if adapter is None else adapter(h))
 
 
 class Adapter(nnx.Module):
@@ -118,8 +128,7 @@ class Adapters:
                 raise ValueError("cross_attention=True needs a model with cross-attention "
                                  "(an EncoderDecoder)")
             hooks = (*hooks, "cross_adapter")
-        if any(getattr(block, hook) is not None for stack in stacks for block in _layers(stack)
-               for hook in PLACEMENTS["houlsby"] + ("cross_adapter",)):
+        if any(isinstance(block, AdaptedBlock) for stack in stacks for block in _layers(stack)):
             raise ValueError("the model already has adapters")
 
         def make(rngs):
@@ -135,9 +144,11 @@ class Adapters:
             else:
                 build = make
             for block in blocks:
-                for hook in hooks:
-                    if hook != "cross_adapter" or block.cross_attention is not None:
-                        setattr(block, hook, build(rngs))
+                block.__class__ = AdaptedBlock
+                for hook in ("attention_adapter", "cross_adapter", "mlp_adapter"):
+                    wanted = hook in hooks and (hook != "cross_adapter"
+                                                or block.cross_attention is not None)
+                    setattr(block, hook, build(rngs) if wanted else nnx.data(None))
         return model
 
 

@@ -8,7 +8,9 @@ from collections.abc import Callable, Iterable
 
 from flax import nnx
 
-__all__ = ["PeftParam", "find_modules", "module_path", "path_matcher", "set_module"]
+from tfx.nn.paths import path_name
+
+__all__ = ["PeftParam", "find_modules", "path_matcher", "set_module"]
 
 
 class PeftParam(nnx.Param):
@@ -20,18 +22,13 @@ class PeftParam(nnx.Param):
     """
 
 
-def module_path(path: tuple) -> str:
-    """A graph path -> "stack/layers/0/attention/query"."""
-    return "/".join(str(part) for part in path)
-
-
 def find_modules(model: nnx.Module, kind: type | tuple[type, ...],
                  keep: Callable[[str, nnx.Module], bool] = lambda name, module: True,
                  ) -> list[tuple[tuple, nnx.Module]]:
     """(path, module) of every sub-module of `model` that is an instance of `kind` and passes
     `keep(path_string, module)`, in graph order."""
     return [(path, node) for path, node in nnx.iter_graph(model)
-            if isinstance(node, kind) and path and keep(module_path(path), node)]
+            if isinstance(node, kind) and path and keep(path_name(path), node)]
 
 
 def path_matcher(targets: str | Iterable[str]) -> Callable[[str], bool]:

@@ -23,11 +23,11 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 
 from tfx.nn.embeddings import TokenEmbedding
-from tfx.parallel.rules import path_name
-from tfx.peft.core import find_modules, module_path, path_matcher, set_module
+from tfx.nn.paths import path_name
+from tfx.peft.core import find_modules, path_matcher, set_module
 from tfx.peft.lora_modules import LoRAEmbedding, LoRALinear
 
 __all__ = ["Factors", "LoRA", "LoRAWeights", "attach", "detach", "init", "merge", "unmerge",
@@ -37,7 +37,8 @@ INIT_STYLES = ("peft", "seed", "seed_normal")
 _WEIGHT_NAMES = ("kernel", "table")  # of linear layers and of embeddings
 
 
-@struct.dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Factors:
     """One adapted weight's factors: a [..., d_in, rank], b [..., rank, d_out] (an embedding's
     d_in is its vocabulary); leading axes as the weight's (stacked layers)."""
@@ -46,12 +47,13 @@ class Factors:
     b: jax.Array
 
 
-@struct.dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class LoRAWeights:
     """factors: {module path ("stack/layers/0/attention/query"): Factors}; scale: static."""
 
     factors: dict[str, Factors]
-    scale: float = struct.field(pytree_node=False)
+    scale: float = dataclasses.field(metadata=dict(static=True))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -138,7 +140,7 @@ def attach(model: nnx.Module, weights: LoRAWeights, *, dropout: float = 0.0,
            rngs: nnx.Rngs | None = None) -> nnx.Module:
     """Replace each targeted layer of `model` by its LoRA form holding `weights`' factors as
     `PeftParam`s (in place; the frozen weights keep their paths). Returns the model."""
-    modules = dict((module_path(p), (p, m)) for p, m in
+    modules = dict((path_name(p), (p, m)) for p, m in
                    find_modules(model, (nnx.Linear, TokenEmbedding)))
     for path, factors in weights.factors.items():
         if path not in modules:
@@ -173,7 +175,7 @@ def weights_of(model: nnx.Module) -> LoRAWeights:
     scales = {m.scale for _, m in adapted}
     if len(scales) > 1:
         raise ValueError(f"the model's LoRA layers have different scales {sorted(scales)}")
-    return LoRAWeights({module_path(p): Factors(m.lora_a[...], m.lora_b[...])
+    return LoRAWeights({path_name(p): Factors(m.lora_a[...], m.lora_b[...])
                         for p, m in adapted}, scales.pop())
 
 

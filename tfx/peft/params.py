@@ -15,6 +15,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
+from tfx.nn.paths import path_name
 from tfx.peft.core import PeftParam
 
 __all__ = ["count", "load", "only_peft", "save"]
@@ -45,7 +46,7 @@ def save(model: nnx.Module, path: str | os.PathLike, *, method=None) -> None:
     can rebuild them. Written to a temporary file first: a failed save leaves `path` as it was.
     """
     path = pathlib.Path(path)
-    tensors = {"/".join(map(str, k)): np.asarray(v[...])
+    tensors = {path_name(k): np.asarray(v[...])
                for k, v in nnx.to_flat_state(nnx.state(model, PeftParam))}
     if not tensors:
         raise ValueError("the model has no PEFT parameters to save")
@@ -80,7 +81,8 @@ def load(model: nnx.Module, path: str | os.PathLike, *, rngs: nnx.Rngs | None = 
                              "to the model before loading")
         _method_from(metadata["method"]).attach(model, rngs=rngs or nnx.Rngs(0))
     flat = nnx.to_flat_state(nnx.state(model, PeftParam))
-    want = {"/".join(map(str, k)): v for k, v in flat}
+    want = {path_name(k): v for k, v in flat}
+    tensors = _moved_prompt(tensors, want)
     if want.keys() != tensors.keys():
         raise ValueError(f"{path} holds PEFT parameters {sorted(tensors)}, the model has "
                          f"{sorted(want)}")
@@ -90,6 +92,16 @@ def load(model: nnx.Module, path: str | os.PathLike, *, rngs: nnx.Rngs | None = 
                              f"{variable.shape}")
         variable[...] = tensors[name].astype(variable.dtype)
     return model
+
+
+def _moved_prompt(tensors: dict, want: dict) -> dict:
+    """Files saved before the soft prompt moved from the model into its embeddings name it
+    "prompt/vectors": give it the model's new name ("embeddings/prompt/vectors", or
+    "encoder_embeddings/..." for an encoder–decoder)."""
+    new = [name for name in want if name.endswith("embeddings/prompt/vectors")]
+    if "prompt/vectors" not in tensors or len(new) != 1:
+        return tensors
+    return {new[0] if name == "prompt/vectors" else name: t for name, t in tensors.items()}
 
 
 def _method_from(stored: str):

@@ -1,9 +1,12 @@
 """Prefix tuning (Li & Liang 2021): learned keys and values that every query of a targeted
 attention layer sees before the real tokens.
 
-The prefix is prepended inside `tfx.nn.Attention` at every call (after RoPE and after the KV
-cache is written), so caches hold real tokens only and `model.init_cache` and `tfx.generate`
-work unchanged. Queries and the output length are unchanged.
+`attach` turns each targeted `tfx.nn.Attention` into a `PrefixedAttention` in place (the
+same module object, its class swapped, so weights keep their paths and layers stacked for
+nnx.scan stay one module), whose `attended` step puts the prefix before the keys the cache
+gives (after RoPE and after the KV cache is written): caches hold real tokens only, and
+`model.init_cache` and `tfx.generate` work unchanged. Queries and the output length are
+unchanged. `detach` swaps the class back and drops the prefix.
 """
 
 from __future__ import annotations
@@ -16,9 +19,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfx.nn.attention import Attention
-from tfx.peft.core import PeftParam, find_modules, module_path, path_matcher
+from tfx.nn.caches import Keys
+from tfx.nn.paths import path_name
+from tfx.ops.attention import static_spec
+from tfx.ops.leading_keys import prepend_keys
+from tfx.peft.core import PeftParam, find_modules, path_matcher
 
-__all__ = ["EncodedPrefix", "Prefix", "PrefixEncoder", "PrefixKV"]
+__all__ = ["EncodedPrefix", "Prefix", "PrefixEncoder", "PrefixKV", "PrefixedAttention"]
 
 
 class PrefixKV(nnx.Module):
@@ -72,6 +79,37 @@ class EncodedPrefix(nnx.Module):
         return self.encoder(self.layer)
 
 
+class PrefixedAttention(Attention):
+    """A `tfx.nn.Attention` whose queries also see `prefix()`: learned keys and values
+    [num_prefix, num_kv_heads, head_dim] each, before the real keys, with mask True and bias 0
+    (ALiBi, T5 and Transformer-XL terms cover the real keys only). Made by `prefixed`."""
+
+    def attended(self, keys: Keys) -> Keys:
+        spec = None if keys.heads_major else static_spec(keys.is_causal, keys.sparsity)
+        key, value, mask, bias, sparsity = prepend_keys(
+            self.prefix(), keys.key, keys.value, heads_major=keys.heads_major, mask=keys.mask,
+            bias=keys.bias, spec=spec, query_segment_ids=keys.query_segment_ids,
+            key_segment_ids=keys.key_segment_ids)
+        return dataclasses.replace(
+            keys, key=key, value=value, positions=None, mask=mask, bias=bias, is_causal=False,
+            sparsity=sparsity, query_segment_ids=None, key_segment_ids=None)
+
+
+def prefixed(attention: Attention, prefix: PrefixKV | EncodedPrefix) -> PrefixedAttention:
+    """Make `attention` (in place) a PrefixedAttention holding `prefix`; returns it."""
+    attention.__class__ = PrefixedAttention
+    attention.prefix = prefix
+    return attention
+
+
+def detach(model: nnx.Module) -> nnx.Module:
+    """Remove every prefix from `model` (in place): its attentions become plain again."""
+    for _, attention in find_modules(model, PrefixedAttention):
+        del attention.prefix
+        attention.__class__ = Attention
+    return model
+
+
 @dataclasses.dataclass(frozen=True)
 class Prefix:
     """Prefix tuning settings (peft's PREFIX_TUNING).
@@ -118,9 +156,9 @@ class Prefix:
         targets = _targets(model, self.targets)
         if self.projection == 0:
             for _, attention in targets:
-                attention.prefix = self._direct(attention, rngs)
+                prefixed(attention, self._direct(attention, rngs))
             return model
-        stacked = [module_path(path) for path, attention in targets if _num_stacked(attention)]
+        stacked = [path_name(path) for path, attention in targets if _num_stacked(attention)]
         if stacked:
             raise ValueError(
                 f"projection > 0 shares one MLP across layers, which scanned layers "
@@ -133,14 +171,14 @@ class Prefix:
         encoder = PrefixEncoder(self.num_tokens, d_model, self.projection, len(targets),
                                 num_kv_heads, head_dim, init_std=self.init_std, rngs=rngs)
         for layer, (_, attention) in enumerate(targets):
-            attention.prefix = EncodedPrefix(encoder, layer)
+            prefixed(attention, EncodedPrefix(encoder, layer))
         return model
 
     @staticmethod
     def fold(model: nnx.Module) -> nnx.Module:
         """For inference: replace each layer's `EncodedPrefix` by a `PrefixKV` holding its
         output (in place; the MLP is dropped). A model without one is returned unchanged."""
-        for _, attention in find_modules(model, Attention):
+        for _, attention in find_modules(model, PrefixedAttention):
             if isinstance(attention.prefix, EncodedPrefix):
                 attention.prefix = PrefixKV(*attention.prefix())
         return model
@@ -161,11 +199,11 @@ def _targets(model: nnx.Module, targets: str | Iterable[str]) -> list[tuple[tupl
     if not available:
         raise ValueError(f"{type(model).__name__} has no tfx.nn.Attention modules to prefix")
     matches = path_matcher(targets)
-    chosen = [(path, a) for path, a in available if matches(module_path(path))]
+    chosen = [(path, a) for path, a in available if matches(path_name(path))]
     if not chosen:
-        names = [module_path(path) for path, _ in available]
+        names = [path_name(path) for path, _ in available]
         raise ValueError(f"targets {targets!r} match no attention module; available: {names}")
-    taken = [module_path(path) for path, a in chosen if a.prefix is not None]
+    taken = [path_name(path) for path, a in chosen if isinstance(a, PrefixedAttention)]
     if taken:
         raise ValueError(f"attention modules already have a prefix: {taken}")
     return chosen

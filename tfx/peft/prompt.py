@@ -3,8 +3,9 @@ input embeddings, every model weight frozen.
 
     model = SoftPrompt(num_tokens=20, init="vocab").attach(model, rngs=nnx.Rngs(0))
 
-How the model runs them (positions, masks, the KV cache, encoder–decoders) is
-`tfx.models.prompting`; this file makes them.
+`attach` makes the model's (encoder's) token embeddings a `PromptedEmbeddings` in place (its
+class swapped; weights keep their paths), whose leading vectors are the prompt: how models run
+leading vectors (positions, masks, the KV cache, encoder–decoders) is `tfx.models.leading`.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from flax import nnx
 from tfx.models.decoder import Decoder
 from tfx.models.encoder import Encoder
 from tfx.models.encoder_decoder import EncoderDecoder
+from tfx.models.stack import Embeddings
 from tfx.peft.core import PeftParam
 
-__all__ = ["INITS", "Prompt", "SoftPrompt"]
+__all__ = ["INITS", "Prompt", "PromptedEmbeddings", "SoftPrompt"]
 
 # "random": normal(init_std); "vocab": the embeddings of G token ids drawn uniformly from the
 # vocabulary; "text": the embeddings of `text_ids` repeated / cut to G tokens.
@@ -41,6 +43,22 @@ class Prompt(nnx.Module):
     def __call__(self, batch: int) -> jax.Array:
         """The vectors for every sequence: [batch, G, d_model]."""
         return jnp.broadcast_to(self.vectors[...], (batch, *self.vectors.shape))
+
+
+class PromptedEmbeddings(Embeddings):
+    """Token embeddings whose leading vectors are a soft prompt, attribute `prompt`."""
+
+    @property
+    def num_leading(self) -> int:
+        return self.prompt.num_tokens
+
+    def leading(self, batch: int) -> jax.Array:
+        return self.prompt(batch)
+
+
+def embeddings_of(model: Decoder | Encoder | EncoderDecoder) -> Embeddings:
+    """The embeddings a model's soft prompt goes into (an encoder–decoder's encoder side)."""
+    return model.encoder_embeddings if isinstance(model, EncoderDecoder) else model.embeddings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +107,13 @@ class SoftPrompt:
         if not isinstance(model, Decoder | Encoder | EncoderDecoder):
             raise TypeError(f"model must be a tfx Decoder, Encoder or EncoderDecoder, got "
                             f"{type(model).__name__}")
-        if model.prompt is not None:
+        embeddings = embeddings_of(model)
+        if isinstance(embeddings, PromptedEmbeddings):
             raise ValueError("model already has a soft prompt")
         config, g = model.config, self.num_tokens
         if config.position == "learned" and g >= config.max_len:
             raise ValueError(f"num_tokens ({g}) leaves no room for tokens in the learned "
                              f"position table (max_len = {config.max_len})")
-        embeddings = (model.encoder_embeddings if isinstance(model, EncoderDecoder)
-                      else model.embeddings)
         table = embeddings.tokens.table[...]  # [vocab_size, d_model]
         vocab_size = table.shape[0]
         if self.init == "random":
@@ -111,5 +128,6 @@ class SoftPrompt:
                                      f"{max(self.text_ids)}")
                 ids = jnp.asarray(np.resize(np.asarray(self.text_ids), g))  # repeat, then cut
             vectors = jnp.take(table, ids, axis=0)
-        model.prompt = Prompt(vectors)
+        embeddings.__class__ = PromptedEmbeddings
+        embeddings.prompt = Prompt(vectors)
         return model

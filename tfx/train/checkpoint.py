@@ -40,6 +40,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from tfx.nn.paths import path_name
 from tfx.train import checksums
 
 _LEAF_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float)
@@ -313,8 +314,8 @@ def _stored_shape(leaf: Any) -> tuple[int, ...]:
 
 def _mismatch(abstract: Any, stored: Any) -> str:
     """Where the template's leaf paths and shapes differ from the checkpoint's ('' if nowhere)."""
-    want = {"/".join(k): _stored_shape(v) for k, v in ocp.tree.to_flat_dict(abstract).items()}
-    have = {"/".join(k): tuple(v.shape)
+    want = {path_name(k): _stored_shape(v) for k, v in ocp.tree.to_flat_dict(abstract).items()}
+    have = {path_name(k): tuple(v.shape)
             for k, v in ocp.tree.to_flat_dict(stored).items() if v is not None}
     problems = [f"{k}: missing from the checkpoint" for k in want.keys() - have.keys()]
     problems += [f"{k}: not in the template" for k in have.keys() - want.keys()]

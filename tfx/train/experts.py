@@ -8,8 +8,8 @@ from flax import nnx
 
 from tfx.models import aux_loss, moe_losses
 from tfx.nn.moe import MoE
+from tfx.nn.paths import path_name
 from tfx.ops.moe import update_selection_bias
-from tfx.parallel.rules import path_name
 
 __all__ = ["MOE_METRICS", "add_moe_losses", "balance_experts", "expert_loads"]
 
@@ -30,7 +30,7 @@ def add_moe_losses(model: nnx.Module, total, count, metrics: dict):
 def expert_loads(model: nnx.Module) -> dict[str, jax.Array]:
     """{parameter path of each selection bias: the expert load its layer recorded in this
     forward pass ([E], or [layers, E] when stacked)}; empty unless router_policy="deepseek"."""
-    return {"/".join(map(str, (*path, "selection_bias"))): module.expert_load[...]
+    return {path_name((*path, "selection_bias")): module.expert_load[...]
             for path, module in nnx.iter_graph(model)
             if isinstance(module, MoE) and module.selection_bias is not None}
 

@@ -148,7 +148,7 @@ class Trainer:
         if restored is None:
             return 0
         step, values = restored
-        self.state = self.state.replace(**values)  # frozen weights and counters stay
+        self.state = dataclasses.replace(self.state, **values)  # frozen weights and counters stay
         return step
 
     def model(self) -> nnx.Module:

@@ -14,22 +14,24 @@ step count (its learning-rate schedule) does not advance on a skipped step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx, struct
+from flax import nnx
 
-from tfx.parallel.rules import path_name
+from tfx.nn.paths import path_name
 from tfx.train.experts import MOE_METRICS, add_moe_losses, balance_experts, expert_loads
 
 __all__ = ["MOE_METRICS", "NonFinite", "TrainState", "finish_eval", "init_train_state",
            "make_eval_step", "make_train_step"]
 
 
-@struct.dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class NonFinite:
     """Counters (int32 []) of the steps skipped for a non-finite loss, gradient norm or update:
     `skipped` in all, `streak` of them in a row up to the latest step, the `longest` streak,
@@ -55,7 +57,8 @@ class NonFinite:
                          first=jnp.where((self.first == 0) & (bad == 1), step, self.first))
 
 
-@struct.dataclass
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class TrainState:
     """step: int32 []; params: the trained parameters (float32 master weights): all of the
     model's nnx.Param state, or only the PEFT parameters when fine-tuning with `tfx.peft`;
@@ -186,8 +189,8 @@ def _advance(state: TrainState, params, opt_state, metrics: dict) -> TrainState:
               & _all_finite(params))
     params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                      (params, opt_state), (state.params, state.opt_state))
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                         nonfinite=state.nonfinite.count(finite, state.step + 1))
+    return dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state,
+                               nonfinite=state.nonfinite.count(finite, state.step + 1))
 
 
 def _all_finite(tree) -> jax.Array:

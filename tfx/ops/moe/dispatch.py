@@ -17,8 +17,8 @@ Four implementations of one function, `experts_ffn`; None (the default) picks th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,9 @@ __all__ = ["IMPLEMENTATIONS", "ExpertWeights", "batched_experts", "check_weights
 IMPLEMENTATIONS = ("sorted", "onehot", "ragged", "megablox")
 
 
-class ExpertWeights(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertWeights:
     """Stacked expert MLPs: down(act(gate(x)) * up(x)) when `gate` is given (SwiGLU with silu),
     down(act(up(x))) otherwise. gate, up: [E, d_model, d_ff]; down: [E, d_ff, d_model]."""
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -166,7 +165,9 @@ def _exchange_fixed(x, routing: Routing, weights: ExpertWeights, devices: int,
     return combine_rows(back.reshape(experts * capacity, d_model), row, routing, x.dtype)
 
 
-class RaggedPlan(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedPlan:
     """One device's side of the ragged exchange, over n devices with E_local experts each:
     it sends send_sizes[j] rows from input_offsets[j] to device j, and receives recv_sizes[s]
     rows from device s at recv_offsets[s] (int32 [n] each); receive_expert int32 [rows] is the

@@ -64,13 +64,13 @@ def _validate_fields(obj, *, floats=(), ints=(), optional_floats=()) -> None:
 
     Normalising (2 -> 2.0) keeps equal scalings equal and hash-equal, so jit reuses its cache.
     """
-    prefix = type(obj).__name__
+    owner = type(obj).__name__
     for name in (*floats, *ints, *optional_floats):
         value = getattr(obj, name)
         if name in optional_floats and value is None:
             continue
         check = _checks.positive_int if name in ints else _checks.positive_float
-        object.__setattr__(obj, name, check(f"{prefix}.{name}", value))
+        object.__setattr__(obj, name, check(f"{owner}.{name}", value))
 
 
 class RopeScaling:

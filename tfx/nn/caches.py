@@ -1,0 +1,134 @@
+"""What one attention call attends besides its own keys: the cache kinds, behind one protocol.
+
+`tfx.nn.Attention` asks the layer's cache three things, in this order:
+1. `sources(x, context)`: the input its new keys and values are projected from (None: the
+   call brings no new keys, all come from the cache);
+2. `query_positions(positions, q_len)`: the true positions of the call's queries;
+3. `attend(keys, x) -> (keys, state)`: given the call's own `Keys` (projected, rotated), the
+   `Keys` every query attends and the layer's next cache state (None: nothing to return).
+
+`NoCache` (plain self- or cross-attention) attends the call's keys. `KVLayer` is a decoder's
+KV cache, linear or ring buffer (the `tfx.ops.kv_cache.CacheStep` of the call decides), with
+heads-major keys; `SegmentLayer` is Transformer-XL's memory of earlier inputs; `CrossKV` a
+cross-attention's keys and values computed once per encoder output. A new kind (compressed
+latent, paged) is one new class here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from tfx.ops.kv_cache import CacheStep, LayerKV, write
+from tfx.ops.masks import combine_masks
+from tfx.ops.sparse import SparsitySpec
+
+__all__ = ["CrossKV", "KVLayer", "Keys", "NoCache", "SegmentLayer", "cache_for"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Keys:
+    """Keys and values the queries attend, with everything that says which they may see.
+
+    key, value: [batch, kv_len, num_kv_heads, head_dim], or heads-major [batch, num_kv_heads,
+      kv_len, head_dim] when `heads_major` (as caches store them).
+    positions: int [batch or 1, kv_len] true positions of the keys, or None (distances only).
+    mask, bias, is_causal, sparsity, query_segment_ids, key_segment_ids: as in
+      `tfx.ops.dot_product_attention`.
+    """
+
+    key: jax.Array
+    value: jax.Array
+    positions: jax.Array | None = None
+    mask: jax.Array | None = None
+    bias: jax.Array | None = None
+    is_causal: bool = False
+    sparsity: SparsitySpec | None = None
+    query_segment_ids: jax.Array | None = None
+    key_segment_ids: jax.Array | None = None
+    heads_major: bool = False
+
+    @property
+    def kv_len(self) -> int:
+        return self.key.shape[2 if self.heads_major else 1]
+
+    def with_bias(self, bias: jax.Array | None) -> Keys:
+        """These keys with `bias` added to their score bias (None adds nothing)."""
+        if bias is None:
+            return self
+        return dataclasses.replace(self, bias=bias if self.bias is None else self.bias + bias)
+
+
+class NoCache:
+    """Attention over the call's own keys: from `x` (self) or `context` (cross)."""
+
+    def sources(self, x: jax.Array, context: jax.Array | None) -> jax.Array:
+        return x if context is None else context
+
+    def query_positions(self, positions: jax.Array | None, q_len: int) -> jax.Array:
+        return jnp.arange(q_len) if positions is None else positions
+
+    def attend(self, keys: Keys, x: jax.Array) -> tuple[Keys, None]:
+        return keys, None
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossKV(NoCache):
+    """A cross-attention's keys and values of one encoder output, computed once
+    (`Attention.keys_values`), heads-major; the call projects only its queries."""
+
+    kv: LayerKV
+
+    def sources(self, x, context):
+        return None
+
+    def attend(self, keys, x):
+        return dataclasses.replace(keys, key=self.kv.key, value=self.kv.value,
+                                   heads_major=True), None
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayer(NoCache):
+    """One layer's KV cache (`LayerKV`) and the call's `CacheStep` (shared by the layers),
+    which places the new tokens and says what each query sees."""
+
+    kv: LayerKV
+    step: CacheStep
+
+    def query_positions(self, positions, q_len):
+        return self.step.query_positions
+
+    def attend(self, keys, x):
+        key, value, kv = write(self.kv, keys.key, keys.value, self.step)
+        return dataclasses.replace(
+            keys, key=key, value=value, positions=self.step.key_positions,
+            mask=combine_masks(keys.mask, self.step.mask), heads_major=True), kv
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentLayer(NoCache):
+    """Transformer-XL's memory of one layer: the attention inputs of the last mem_len tokens
+    [batch, mem_len, d_model], prepended to the segment's (the mask covers [memory | x]);
+    the next memory is the last mem_len inputs, without gradient."""
+
+    hidden: jax.Array
+
+    def sources(self, x, context):
+        if context is not None:
+            raise ValueError("a Transformer-XL memory serves self-attention: context must be None")
+        return jnp.concatenate([self.hidden.astype(x.dtype), x], axis=1)
+
+    def attend(self, keys, x):
+        source = jnp.concatenate([self.hidden.astype(x.dtype), x], axis=1)
+        return dataclasses.replace(keys, positions=None), jax.lax.stop_gradient(
+            source[:, x.shape[1]:])
+
+
+def cache_for(cache: NoCache | None, context: jax.Array | LayerKV | None) -> NoCache:
+    """The cache kind serving a call: `cache` itself, or for none, the precomputed keys of a
+    `LayerKV` context or plain attention."""
+    if cache is not None:
+        return cache
+    return CrossKV(context) if isinstance(context, LayerKV) else NoCache()
