@@ -14,7 +14,7 @@ from tfx.nn import ALiBi, Attention
 from tfx.ops import sparse
 from tfx.ops.positional import alibi_slopes
 from tfx.peft.core import PeftParam
-from tfx.peft.prefix import EncodedPrefix, Prefix, PrefixedAttention, PrefixKV, prefixed
+from tfx.peft.prefix import EncodedPrefix, Prefix, Prefixed, PrefixKV, prefixed
 
 G = 3  # prefix tokens
 SMALL = dict(num_layers=2, d_model=32, d_ff=64, max_len=64)  # char-gpt: 4 heads, 2 KV heads
@@ -212,7 +212,7 @@ def test_prefix_reaches_the_cross_attention_of_an_encoder_decoder():
     model = tfx.models.create(config, vocab_size=64, d_model=16, num_layers=1, num_heads=2,
                               d_ff=32, dropout=0.0, rngs=nnx.Rngs(0))
     Prefix(G, targets=["cross_attention"]).attach(model, rngs=nnx.Rngs(1))
-    assert len([a for _, a in nnx.iter_graph(model) if isinstance(a, PrefixedAttention)]) == 1
+    assert len([a for _, a in nnx.iter_graph(model) if isinstance(a, Prefixed)]) == 1
     source = jnp.arange(10).reshape(2, 5)
     out = tfx.generate(model, source, max_new_tokens=3, temperature=0.0)
     chex.assert_shape(out, (2, 4))

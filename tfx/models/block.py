@@ -18,7 +18,7 @@ from tfx.nn.positions import ALiBi, Position, Rope, Rotary, TransformerXL
 from tfx.ops.backends import current_platform
 from tfx.ops.kv_cache import LayerKV
 
-__all__ = ["Block", "dtypes"]
+__all__ = ["Block", "RematBlock", "dtypes"]
 
 
 def dtypes(config: TransformerConfig, platform: str | None = None) -> dict:
@@ -106,6 +106,14 @@ class Block(nnx.Module):
         if self.pre_norm:
             return x + self.dropout(h)
         return getattr(self, f"{branch}_norm")(x + self.dropout(h))
+
+
+class RematBlock(Block):
+    """A Block whose activations are recomputed in the backward pass instead of stored
+    (config.remat): memory of one layer's inputs rather than of all its intermediates."""
+
+    def __call__(self, x: jax.Array, **kwargs):
+        return nnx.remat(lambda block, h: Block.__call__(block, h, **kwargs))(self, x)
 
 
 def _position(config: TransformerConfig, rngs: nnx.Rngs) -> Position | None:

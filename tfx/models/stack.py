@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tfx.models.block import Block, dtypes
+from tfx.models.block import Block, RematBlock, dtypes
 from tfx.models.config import EncoderConfig, TransformerConfig
 from tfx.nn import axes
 from tfx.nn.caches import KVLayer, SegmentLayer
@@ -15,7 +15,7 @@ from tfx.nn.embeddings import LearnedPositions, SinusoidalPositions, TokenEmbedd
 from tfx.nn.norms import make_norm
 from tfx.nn.relative_bias import RelativePositionBias
 from tfx.ops.kv_cache import CacheStep, LayerKV
-from tfx.ops.sparse import SlidingWindow, parse_spec
+from tfx.ops.sparse import SlidingWindow, SparsitySpec, parse_spec
 
 __all__ = ["Embeddings", "Stack"]
 
@@ -95,7 +95,8 @@ class Stack(nnx.Module):
     def __init__(self, config: TransformerConfig, *, causal: bool, cross_attention: bool = False,
                  num_layers: int | None = None, rngs: nnx.Rngs):
         c, kinds = config, dtypes(config)
-        self.causal, self.remat = causal, c.remat
+        self.causal = causal
+        layer = RematBlock if c.remat else Block
         self.sliding_window = getattr(c, "sliding_window", None)
         pattern = getattr(c, "attention_pattern", None)
         self.attention_pattern = None if pattern is None else parse_spec(pattern)
@@ -111,13 +112,13 @@ class Stack(nnx.Module):
             @nnx.vmap(in_axes=(0,), out_axes=0,
                       transform_metadata={nnx.PARTITION_NAME: axes.LAYERS})
             def stacked(rngs):
-                return Block(c, cross_attention=cross_attention, moe=c.is_moe_layer(0),
+                return layer(c, cross_attention=cross_attention, moe=c.is_moe_layer(0),
                              rngs=rngs)
 
             self.layers = stacked(rngs)
         else:
             self.layers = nnx.List([
-                Block(c, cross_attention=cross_attention, moe=c.is_moe_layer(i), rngs=rngs)
+                layer(c, cross_attention=cross_attention, moe=c.is_moe_layer(i), rngs=rngs)
                 for i in range(count)])
         self.final_norm = (make_norm(c.norm, c.d_model, epsilon=c.norm_eps, rngs=rngs, **kinds)
                            if c.pre_norm else None)
@@ -152,34 +153,24 @@ class Stack(nnx.Module):
             raise ValueError("a model with an attention_pattern cannot decode with a KV cache or "
                              "Transformer-XL memory, which hold no sparse pattern: call it on "
                              "whole sequences (generation needs a dense or sliding-window model)")
-        sparsity, is_causal = None, self.causal
+        sparsity, is_causal = self._visibility(cached=cache is not None)
+        key_positions = positions
         if cache_step is not None:
-            positions, key_positions, is_causal = (cache_step.query_positions,
-                                                   cache_step.key_positions, False)
-        elif cache is not None:  # Transformer-XL memory: `mask` covers [memory | segment]
-            is_causal = False
-        elif self.causal and self.sliding_window is not None:
-            # A sliding window is itself causal (Mistral); otherwise plainly causal.
-            sparsity, is_causal = SlidingWindow(self.sliding_window), False
-        elif self.causal and self.attention_pattern is not None:
-            sparsity = self.attention_pattern  # intersected with the causal mask (is_causal)
+            positions, key_positions = cache_step.query_positions, cache_step.key_positions
         bias = None
         if self.relative_bias is not None:
-            bias = self.relative_bias(positions,
-                                      positions if cache_step is None else key_positions)
+            bias = self.relative_bias(positions, key_positions)
         args = dict(mask=mask, bias=bias, is_causal=is_causal, sparsity=sparsity,
                     positions=positions, query_segment_ids=segment_ids,
                     context_mask=context_mask)
         per_layer_context = isinstance(context, LayerKV | tuple)
         kind = SegmentLayer if cache_step is None else (lambda kv: KVLayer(kv, cache_step))
-
-        def run(h, block, layer_cache, layer_context):
-            out = block(h, context=layer_context, token_mask=token_mask,
-                        cache=None if layer_cache is None else kind(layer_cache), **args)
-            return out if layer_cache is not None else (out, None)
-
-        run = nnx.remat(run) if self.remat else run
         if self.scan_layers:
+            def run(h, block, layer_cache, layer_context):  # one layer: the scan's body
+                out = block(h, context=layer_context, token_mask=token_mask,
+                            cache=None if layer_cache is None else kind(layer_cache), **args)
+                return out if layer_cache is not None else (out, None)
+
             axes = (nnx.Carry, 0, None if cache is None else 0, 0 if per_layer_context else None)
             x, cache = nnx.scan(run, in_axes=axes, out_axes=(nnx.Carry, 0))(
                 x, self.layers, cache, context)
@@ -189,12 +180,25 @@ class Stack(nnx.Module):
             updated = []
             for layer, layer_cache, layer_context in zip(self.layers, caches, contexts,
                                                          strict=True):
-                x, layer_cache = run(x, layer, layer_cache, layer_context)
+                x = layer(x, context=layer_context, token_mask=token_mask,
+                          cache=None if layer_cache is None else kind(layer_cache), **args)
+                if layer_cache is not None:
+                    x, layer_cache = x
                 updated.append(layer_cache)
             cache = None if cache is None else tuple(updated)
         if self.final_norm is not None:
             x = self.dropout(self.final_norm(x))
         return x if cache is None else (x, cache)
+
+    def _visibility(self, *, cached: bool) -> tuple[SparsitySpec | None, bool]:
+        """(sparsity, is_causal) of the self-attention. With a cache, its own mask says
+        everything (a KV cache's positions; a Transformer-XL memory's mask over [memory |
+        segment])."""
+        if cached or not self.causal:
+            return None, False if cached else self.causal
+        if self.sliding_window is not None:  # a sliding window is itself causal (Mistral)
+            return SlidingWindow(self.sliding_window), False
+        return self.attention_pattern, True  # None, or intersected with the causal mask
 
     def cross_keys_values(self, context: jax.Array) -> LayerKV | tuple[LayerKV, ...]:
         """Every layer's cross-attention keys and values of an encoder output

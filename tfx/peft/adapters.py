@@ -6,7 +6,7 @@ output of a layer's branches, every model weight frozen.
 Placements: "houlsby" puts one after the self-attention and one after the MLP of every layer,
 "pfeiffer" one after the MLP only. With `cross_attention=True` the decoder layers of an
 encoder–decoder also get one after their cross-attention (adapter-transformers' `cross_adapter`,
-off by default there too). `attach` makes each Block an `AdaptedBlock` in place (its class
+off by default there too). `attach` extends each Block with `Adapted` in place (its class
 swapped, so weights keep their paths), which applies each adapter to its branch's output
 before dropout and the residual sum.
 """
@@ -22,17 +22,17 @@ from flax import nnx
 from tfx.models.block import Block
 from tfx.models.stack import Stack
 from tfx.ops.activations import ACTIVATIONS
-from tfx.peft.core import PeftParam, find_modules
+from tfx.peft.core import PeftParam, extend, find_modules
 
-__all__ = ["PLACEMENTS", "AdaptedBlock", "Adapter", "Adapters"]
+__all__ = ["PLACEMENTS", "Adapted", "Adapter", "Adapters"]
 
 # The AdaptedBlock attributes that each placement fills.
 PLACEMENTS = {"houlsby": ("attention_adapter", "mlp_adapter"), "pfeiffer": ("mlp_adapter",)}
 
 
-class AdaptedBlock(Block):
-    """A Block whose branches' outputs pass through their adapters: attributes
-    attention_adapter, cross_adapter and mlp_adapter, each an Adapter or None."""
+class Adapted(Block):
+    """An extension (`tfx.peft.core.extend`): a Block whose branches' outputs pass through their
+    adapters: attributes attention_adapter, cross_adapter and mlp_adapter, Adapter or None."""
 
     def residual(self, branch: str, x: jax.Array, h: jax.Array) -> jax.Array:
         adapter = getattr(self, f"{branch}_adapter")
@@ -128,7 +128,7 @@ class Adapters:
                 raise ValueError("cross_attention=True needs a model with cross-attention "
                                  "(an EncoderDecoder)")
             hooks = (*hooks, "cross_adapter")
-        if any(isinstance(block, AdaptedBlock) for stack in stacks for block in _layers(stack)):
+        if any(isinstance(block, Adapted) for stack in stacks for block in _layers(stack)):
             raise ValueError("the model already has adapters")
 
         def make(rngs):
@@ -144,7 +144,7 @@ class Adapters:
             else:
                 build = make
             for block in blocks:
-                block.__class__ = AdaptedBlock
+                extend(block, Adapted)
                 for hook in ("attention_adapter", "cross_adapter", "mlp_adapter"):
                     wanted = hook in hooks and (hook != "cross_adapter"
                                                 or block.cross_attention is not None)

@@ -3,6 +3,7 @@ modules it adapts."""
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable
 
@@ -10,7 +11,7 @@ from flax import nnx
 
 from tfx.nn.paths import path_name
 
-__all__ = ["PeftParam", "find_modules", "path_matcher", "set_module"]
+__all__ = ["PeftParam", "extend", "find_modules", "path_matcher", "retract", "set_module"]
 
 
 class PeftParam(nnx.Param):
@@ -20,6 +21,34 @@ class PeftParam(nnx.Param):
     checkpoints) handles these too; `nnx.split(model, PeftParam, ...)` separates them from the
     frozen model weights.
     """
+
+
+def extend(module: nnx.Module, mixin: type) -> nnx.Module:
+    """Make `module` (in place) an instance of `mixin`, a subclass of the module's kind that
+    overrides one of its steps (e.g. a Block that also applies adapters); returns it. The same
+    object, so its weights keep their paths and every reference to it (a stack's layers,
+    layers stacked for nnx.scan) sees the change. A module of a subclass of that kind (a
+    RematBlock, another extension) keeps it: the new class derives from both."""
+    cls = type(module)
+    if not issubclass(cls, mixin):
+        module.__class__ = _extended(mixin, cls)
+    return module
+
+
+def retract(module: nnx.Module, mixin: type) -> nnx.Module:
+    """Undo `extend(module, mixin)` in place (the mixin's attributes are the caller's to
+    delete); returns the module."""
+    cls = type(module)
+    if issubclass(cls, mixin):
+        module.__class__ = next(base for base in cls.__bases__ if base is not mixin)
+    return module
+
+
+@functools.cache
+def _extended(mixin: type, cls: type) -> type:
+    if cls in mixin.__bases__:
+        return mixin
+    return type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {"__module__": mixin.__module__})
 
 
 def find_modules(model: nnx.Module, kind: type | tuple[type, ...],

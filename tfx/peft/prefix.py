@@ -1,7 +1,7 @@
 """Prefix tuning (Li & Liang 2021): learned keys and values that every query of a targeted
 attention layer sees before the real tokens.
 
-`attach` turns each targeted `tfx.nn.Attention` into a `PrefixedAttention` in place (the
+`attach` extends each targeted `tfx.nn.Attention` with `Prefixed` in place (the
 same module object, its class swapped, so weights keep their paths and layers stacked for
 nnx.scan stay one module), whose `attended` step puts the prefix before the keys the cache
 gives (after RoPE and after the KV cache is written): caches hold real tokens only, and
@@ -23,9 +23,9 @@ from tfx.nn.caches import Keys
 from tfx.nn.paths import path_name
 from tfx.ops.attention import static_spec
 from tfx.ops.leading_keys import prepend_keys
-from tfx.peft.core import PeftParam, find_modules, path_matcher
+from tfx.peft.core import PeftParam, extend, find_modules, path_matcher, retract
 
-__all__ = ["EncodedPrefix", "Prefix", "PrefixEncoder", "PrefixKV", "PrefixedAttention"]
+__all__ = ["EncodedPrefix", "Prefix", "PrefixEncoder", "PrefixKV", "Prefixed"]
 
 
 class PrefixKV(nnx.Module):
@@ -79,10 +79,11 @@ class EncodedPrefix(nnx.Module):
         return self.encoder(self.layer)
 
 
-class PrefixedAttention(Attention):
-    """A `tfx.nn.Attention` whose queries also see `prefix()`: learned keys and values
-    [num_prefix, num_kv_heads, head_dim] each, before the real keys, with mask True and bias 0
-    (ALiBi, T5 and Transformer-XL terms cover the real keys only). Made by `prefixed`."""
+class Prefixed(Attention):
+    """An extension (`tfx.peft.core.extend`): a `tfx.nn.Attention` whose queries also see
+    `prefix()`: learned keys and values [num_prefix, num_kv_heads, head_dim] each, before the
+    real keys, with mask True and bias 0 (ALiBi, T5 and Transformer-XL terms cover the real
+    keys only). Made by `prefixed`."""
 
     def attended(self, keys: Keys) -> Keys:
         spec = None if keys.heads_major else static_spec(keys.is_causal, keys.sparsity)
@@ -95,18 +96,17 @@ class PrefixedAttention(Attention):
             sparsity=sparsity, query_segment_ids=None, key_segment_ids=None)
 
 
-def prefixed(attention: Attention, prefix: PrefixKV | EncodedPrefix) -> PrefixedAttention:
-    """Make `attention` (in place) a PrefixedAttention holding `prefix`; returns it."""
-    attention.__class__ = PrefixedAttention
-    attention.prefix = prefix
+def prefixed(attention: Attention, prefix: PrefixKV | EncodedPrefix) -> Attention:
+    """Extend `attention` (in place) with `Prefixed`, holding `prefix`; returns it."""
+    extend(attention, Prefixed).prefix = prefix
     return attention
 
 
 def detach(model: nnx.Module) -> nnx.Module:
     """Remove every prefix from `model` (in place): its attentions become plain again."""
-    for _, attention in find_modules(model, PrefixedAttention):
+    for _, attention in find_modules(model, Prefixed):
         del attention.prefix
-        attention.__class__ = Attention
+        retract(attention, Prefixed)
     return model
 
 
@@ -178,7 +178,7 @@ class Prefix:
     def fold(model: nnx.Module) -> nnx.Module:
         """For inference: replace each layer's `EncodedPrefix` by a `PrefixKV` holding its
         output (in place; the MLP is dropped). A model without one is returned unchanged."""
-        for _, attention in find_modules(model, PrefixedAttention):
+        for _, attention in find_modules(model, Prefixed):
             if isinstance(attention.prefix, EncodedPrefix):
                 attention.prefix = PrefixKV(*attention.prefix())
         return model
@@ -203,7 +203,7 @@ def _targets(model: nnx.Module, targets: str | Iterable[str]) -> list[tuple[tupl
     if not chosen:
         names = [path_name(path) for path, _ in available]
         raise ValueError(f"targets {targets!r} match no attention module; available: {names}")
-    taken = [path_name(path) for path, a in chosen if isinstance(a, PrefixedAttention)]
+    taken = [path_name(path) for path, a in chosen if isinstance(a, Prefixed)]
     if taken:
         raise ValueError(f"attention modules already have a prefix: {taken}")
     return chosen

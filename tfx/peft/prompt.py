@@ -3,7 +3,7 @@ input embeddings, every model weight frozen.
 
     model = SoftPrompt(num_tokens=20, init="vocab").attach(model, rngs=nnx.Rngs(0))
 
-`attach` makes the model's (encoder's) token embeddings a `PromptedEmbeddings` in place (its
+`attach` extends the model's (encoder's) token embeddings with `Prompted` in place (its
 class swapped; weights keep their paths), whose leading vectors are the prompt: how models run
 leading vectors (positions, masks, the KV cache, encoder–decoders) is `tfx.models.leading`.
 """
@@ -21,9 +21,9 @@ from tfx.models.decoder import Decoder
 from tfx.models.encoder import Encoder
 from tfx.models.encoder_decoder import EncoderDecoder
 from tfx.models.stack import Embeddings
-from tfx.peft.core import PeftParam
+from tfx.peft.core import PeftParam, extend
 
-__all__ = ["INITS", "Prompt", "PromptedEmbeddings", "SoftPrompt"]
+__all__ = ["INITS", "Prompt", "Prompted", "SoftPrompt"]
 
 # "random": normal(init_std); "vocab": the embeddings of G token ids drawn uniformly from the
 # vocabulary; "text": the embeddings of `text_ids` repeated / cut to G tokens.
@@ -45,8 +45,9 @@ class Prompt(nnx.Module):
         return jnp.broadcast_to(self.vectors[...], (batch, *self.vectors.shape))
 
 
-class PromptedEmbeddings(Embeddings):
-    """Token embeddings whose leading vectors are a soft prompt, attribute `prompt`."""
+class Prompted(Embeddings):
+    """An extension (`tfx.peft.core.extend`): token embeddings whose leading vectors are a soft
+    prompt, attribute `prompt`."""
 
     @property
     def num_leading(self) -> int:
@@ -108,7 +109,7 @@ class SoftPrompt:
             raise TypeError(f"model must be a tfx Decoder, Encoder or EncoderDecoder, got "
                             f"{type(model).__name__}")
         embeddings = embeddings_of(model)
-        if isinstance(embeddings, PromptedEmbeddings):
+        if isinstance(embeddings, Prompted):
             raise ValueError("model already has a soft prompt")
         config, g = model.config, self.num_tokens
         if config.position == "learned" and g >= config.max_len:
@@ -128,6 +129,5 @@ class SoftPrompt:
                                      f"{max(self.text_ids)}")
                 ids = jnp.asarray(np.resize(np.asarray(self.text_ids), g))  # repeat, then cut
             vectors = jnp.take(table, ids, axis=0)
-        embeddings.__class__ = PromptedEmbeddings
-        embeddings.prompt = Prompt(vectors)
+        extend(embeddings, Prompted).prompt = Prompt(vectors)
         return model
