@@ -95,7 +95,7 @@ def save_peft_adapter(model: nnx.Module, directory: str | pathlib.Path, *, archi
     if getattr(config, "tie_embeddings", False) and "embeddings/tokens" in weights.factors:
         raise ValueError(f"LoRA on tied token embeddings cannot be exported to {architecture}: "
                          "peft's embed_tokens adapter leaves the tied lm_head unchanged")
-    factors = _per_layer(weights.factors, config.scan_layers)
+    factors = _per_layer(weights.factors, config.compute.scan_layers)
     tables = {module_path(p): np.asarray(m.table[...])
               for p, m in find_modules(model, LoRAEmbedding)}
     tensors = {}
