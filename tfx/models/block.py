@@ -21,7 +21,7 @@ __all__ = ["Block", "dtypes"]
 
 def dtypes(config: TransformerConfig, platform: str | None = None) -> dict:
     """The dtype / param_dtype keyword arguments of every module of a model built on `platform`
-    (default: the one running here); config.dtype None gives the platform's compute dtype
+    (default: the one running here); config.compute.dtype None gives the platform's compute dtype
     (`tfx.models.config.compute_dtype`: bfloat16 on GPU/TPU, float32 on CPU)."""
     return {"dtype": compute_dtype(config.compute.dtype, platform or current_platform()),
             "param_dtype": jnp.dtype(config.compute.param_dtype)}

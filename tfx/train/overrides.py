@@ -35,9 +35,9 @@ def switch_parts(experiment: Experiment, args: list[str]) -> tuple[Experiment, l
         if len(path) == 2 and path[0] == "model" and path[1] in _OPTIONAL and value == "None":
             changes[path[1]] = None  # removes it: tyro has no spelling for None here
             continue
-        if len(path) > 2 and path[0] == "model" and path[1] in _OPTIONAL:
-            if getattr(model, path[1]) is None and path[1] not in changes:
-                changes[path[1]] = SUBCONFIGS[path[1]]()
+        named = len(path) > 2 and path[0] == "model" and path[1] in _OPTIONAL
+        if named and getattr(model, path[1]) is None and path[1] not in changes:
+            changes[path[1]] = SUBCONFIGS[path[1]]()
         rest += raw
     if changes:
         model = model.replace(**changes)
