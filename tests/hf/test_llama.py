@@ -71,11 +71,11 @@ def test_logits_match_transformers(loaded):
 def test_config_mapping(loaded):
     case, _, model = loaded
     config = model.config
-    assert config.sliding_window == (4 if case == "mistral-window" else None)
-    assert config.tie_embeddings == (case == "mqa-tied")
+    assert config.attention.sliding_window == (4 if case == "mistral-window" else None)
+    assert config.embeddings.tie == (case == "mqa-tied")
     assert config.kv_heads == {"mqa-tied": 1, "mha-bias": 4}.get(case, 2)
     assert config.use_bias == (case == "mha-bias")
-    assert (config.rope_scaling is None) == (case not in ("linear", "dynamic", "yarn", "llama3"))
+    assert (config.rope.scaling is None) == (case not in ("linear", "dynamic", "yarn", "llama3"))
 
 
 def test_save_round_trips_through_transformers(loaded, tmp_path):
@@ -104,7 +104,7 @@ def test_legacy_rope_fields_read_like_rope_parameters():
                                               factor=4.0))
     config = llama.config_from_hf(legacy, LLAMA)
     assert config == llama.config_from_hf(current, LLAMA)
-    assert config.rope_theta == 500000.0 and config.rope_scaling.factor == 4.0
+    assert config.rope.theta == 500000.0 and config.rope.scaling.factor == 4.0
 
 
 def test_sliding_window_is_mistral_only():

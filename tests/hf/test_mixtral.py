@@ -57,16 +57,16 @@ def test_logits_match_transformers(loaded):
 def test_config_mapping(loaded):
     case, _, model = loaded
     config = model.config
-    assert (config.num_experts, config.moe_every, config.capacity_factor) == (4, 1, None)
-    assert config.experts_per_token == (3 if case == "tied-top3" else 2)
-    assert config.router_policy == "topk" and config.moe_d_ff == config.d_ff == 24
-    assert config.sliding_window == (4 if case == "window" else None)
-    assert config.tie_embeddings == (case == "tied-top3")
-    assert config.kv_heads == 2 and config.rope_theta == 100.0
+    assert (config.moe.num_experts, config.moe.every, config.moe.capacity_factor) == (4, 1, None)
+    assert config.moe.experts_per_token == (3 if case == "tied-top3" else 2)
+    assert config.moe.policy == "topk" and config.moe.d_ff == config.d_ff == 24
+    assert config.attention.sliding_window == (4 if case == "window" else None)
+    assert config.embeddings.tie == (case == "tied-top3")
+    assert config.kv_heads == 2 and config.rope.theta == 100.0
     # HF's aux loss scores a balanced router k, tfx's 1: the weight is scaled by k = 3, and is 0
     # where HF adds no aux loss (output_router_logits false).
     assert config.load_balancing_weight == pytest.approx(0.06 if case == "tied-top3" else 0.0)
-    assert config.router_z_weight == 0.0 and config.router_jitter == 0.0
+    assert config.router_z_weight == 0.0 and config.moe.jitter == 0.0
 
 
 def test_save_round_trips_through_transformers(loaded, tmp_path):
@@ -117,12 +117,12 @@ def test_config_defaults_are_mixtrals():
                    num_attention_heads=16)
     config = mixtral.config_from_hf(minimal, MIXTRAL)
     reference = transformers.MixtralConfig(**minimal)
-    assert config.rope_theta == reference.rope_parameters["rope_theta"] == 1e6
-    assert config.norm_eps == reference.rms_norm_eps
-    assert config.num_experts == reference.num_local_experts
-    assert config.experts_per_token == reference.num_experts_per_tok
+    assert config.rope.theta == reference.rope_parameters["rope_theta"] == 1e6
+    assert config.norm.eps == reference.rms_norm_eps
+    assert config.moe.num_experts == reference.num_local_experts
+    assert config.moe.experts_per_token == reference.num_experts_per_tok
     assert config.kv_heads == reference.num_key_value_heads
-    assert config.sliding_window is None
+    assert config.attention.sliding_window is None
 
 
 @pytest.mark.parametrize("fields, match", [

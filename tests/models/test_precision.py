@@ -13,8 +13,8 @@ from tfx.models.block import dtypes
 from tfx.models.config import compute_dtype
 
 TINY = DecoderConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, d_ff=64, max_len=32,
-                     position="rope", norm="rms", activation="silu", gated_mlp=True)
-TINY_MOE = TINY.replace(num_experts=4, experts_per_token=2)
+                     position="rope", norm={"kind": "rms"}, mlp={"activation": "silu", "gated": True})
+TINY_MOE = TINY.replace(moe={"num_experts": 4, "experts_per_token": 2})
 
 
 @pytest.mark.parametrize("config_dtype, platform, expected", [
@@ -43,7 +43,7 @@ def test_model_dtypes_follow_the_platform_and_keep_float32_params(platform, expe
     assert kinds["param_dtype"] == jnp.float32
     assert kinds["dtype"] is None if expected is None else kinds["dtype"] == jnp.dtype(expected)
     # An explicit dtype is kept on every platform; stored configs with None are unchanged.
-    assert dtypes(TINY.replace(dtype="float32"), platform)["dtype"] == jnp.float32
+    assert dtypes(TINY.replace(compute={"dtype": "float32"}), platform)["dtype"] == jnp.float32
     assert TINY.dtype is None
 
 
@@ -82,7 +82,7 @@ def _equations(jaxpr):
 
 
 def _forward_jaxpr(config, implementation):
-    model = create(config.replace(dtype="bfloat16", implementation=implementation),
+    model = create(config.replace(compute={"dtype": "bfloat16"}, attention={"implementation": implementation}),
                    rngs=nnx.Rngs(0))
     model.eval()
     graphdef, state = nnx.split(model)

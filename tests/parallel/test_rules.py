@@ -22,7 +22,7 @@ MESHES = (DATA8, FSDP8, FSDP2_TP4, DP2_FSDP2_TP2)
 # char-gpt, d_model 64, 4 heads of 16, 2 kv heads (key/value [64, 32]), d_ff 128, vocab 256:
 # every dim divides every mesh axis. Megatron: q/k/v and up/gate split their output dim over
 # tensor, out and down their input dim; FSDP splits the d_model dim; vectors replicated.
-CHAR_GPT = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128)
+CHAR_GPT = dict(num_layers=2, d_model=64, num_heads=4, attention={"num_kv_heads": 2}, d_ff=128)
 EXPECTED = {  # path suffix -> spec on DATA8, FSDP8, FSDP2_TP4, DP2_FSDP2_TP2
     "tokens/table": (P(), P(None, "fsdp"), P("tensor", "fsdp"), P("tensor", "fsdp")),
     "attention/query/kernel": (P(), P("fsdp"), P("fsdp", "tensor"), P("fsdp", "tensor")),

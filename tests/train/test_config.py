@@ -21,7 +21,7 @@ def test_stored_form_round_trips(name):
 def test_rope_scaling_objects_round_trip():
     e = get_experiment("gpt_char")
     scaled = dataclasses.replace(e, model=e.model.replace(
-        rope_scaling=YaRNScaling(factor=4.0, original_max_position_embeddings=256)))
+        rope={"scaling": YaRNScaling(factor=4.0, original_max_position_embeddings=256)}))
     assert experiment_from_dict(json.loads(json.dumps(scaled.to_dict()))) == scaled
 
 
@@ -52,8 +52,8 @@ def test_every_position_has_an_equal_footing_experiment():
     reference = dataclasses.replace(EXPERIMENTS[names[0]].model, position="rope")
     for n in names:
         model = EXPERIMENTS[n].model
-        assert model.scale_embeddings == (model.position == "sinusoidal")
-        assert dataclasses.replace(model, position="rope", scale_embeddings=False) == reference
+        assert model.embeddings.scale == (model.position == "sinusoidal")
+        assert dataclasses.replace(model, position="rope", embeddings={"scale": False}) == reference
         assert EXPERIMENTS[n].train == EXPERIMENTS[names[0]].train
 
 

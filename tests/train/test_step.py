@@ -98,7 +98,7 @@ def test_finish_eval_weights_batches_by_their_targets():
     assert out == pytest.approx({"loss": 7.0 / 4.0, "accuracy": 0.5})
 
 
-@pytest.mark.parametrize("changes", [dict(dtype="bfloat16"), dict(remat=True)])
+@pytest.mark.parametrize("changes", [dict(compute={"dtype": "bfloat16"}), dict(compute={"remat": True})])
 def test_mixed_precision_and_remat_train_float32_weights(changes):
     _, reference, optimizer = _setup("gpt_char")
     _, model, _ = _setup("gpt_char", **changes)
@@ -134,8 +134,7 @@ def test_moe_losses_join_the_training_loss():
 
 
 def test_deepseek_selection_bias_moves_by_the_rate_not_by_the_optimiser():
-    _, model, optimizer = _setup("moe_gpt", router_policy="deepseek", router_bias_rate=0.01,
-                                 moe_shared_experts=1)
+    _, model, optimizer = _setup("moe_gpt", moe={"policy": "deepseek", "shared_experts": 1}, router_bias_rate=0.01)
     graphdef, rest, state = init_train_state(model, optimizer, seed=0)
     step = make_train_step(graphdef, rest, optimizer, causal_lm, grad_accum=2)
     batch = _tokens(batch=8)

@@ -76,6 +76,9 @@ class TransformerConfig:
     `position` says how the model knows where tokens are (POSITIONS); `rope` and `t5` hold the
     settings of the rotary and T5 kinds and are None for the others. `moe` None is a dense
     model. `use_bias`: biases in the attention and MLP projections.
+
+    A sub-config field takes its sub-config or a dict of its fields (the others keep their
+    defaults): `DecoderConfig(..., norm={"kind": "rms", "eps": 1e-6})`.
     """
 
     vocab_size: int
@@ -219,8 +222,12 @@ def field_value(config: TransformerConfig, name: str):
 
 
 def _check_part(config: TransformerConfig, name: str, kind: type) -> None:
-    """Check the type of sub-config `name`; fill in / refuse position-specific ones."""
+    """Check the type of sub-config `name` (a dict of its fields becomes one); fill in /
+    refuse position-specific ones."""
     value = getattr(config, name)
+    if isinstance(value, dict):
+        value = kind(**value)
+        object.__setattr__(config, name, value)  # frozen: set once, here
     position_kind = _POSITION_PARTS.get(name)
     if position_kind is not None:
         if value is None and config.position == position_kind:
@@ -232,8 +239,8 @@ def _check_part(config: TransformerConfig, name: str, kind: type) -> None:
                              f"line --model.{name}=None)")
     optional = name in ("rope", "t5", "moe")
     if not (isinstance(value, kind) or (optional and value is None)):
-        raise TypeError(f"{name} must be a {kind.__name__}{' or None' if optional else ''}, got "
-                        f"{type(value).__name__} (replace(...) takes a dict of changes)")
+        raise TypeError(f"{name} must be a {kind.__name__}{' or None' if optional else ''} (or "
+                        f"a dict of its fields), got {type(value).__name__}")
 
 
 def _not_decoder_only(config: TransformerConfig) -> None:
