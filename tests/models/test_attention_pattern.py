@@ -2,7 +2,6 @@
 with the explicit dense mask `pattern & causal`, on both attention kernels, with and without
 scanned layers; the config rejects bad patterns, and cached decoding refuses a pattern."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +19,9 @@ PATTERNS = ("causal", "window:5", "strided:4", "fixed:8,2", "global:3", "random:
 
 
 def _config(**overrides):
-    return DecoderConfig(**(dict(vocab_size=40, d_model=32, num_layers=2, num_heads=4,
-                                 attention={"num_kv_heads": 2}, d_ff=48, max_len=64, position="rope")
-                            | overrides))
+    return DecoderConfig(vocab_size=40, d_model=32, num_layers=2, num_heads=4,
+                         attention={"num_kv_heads": 2}, d_ff=48, max_len=64,
+                         position="rope").replace(**overrides)
 
 
 def _ids(batch=2, seq=SEQ):
@@ -101,12 +100,14 @@ def test_default_config_has_no_pattern_and_equals_plain_causal():
 
 
 @pytest.mark.parametrize("overrides, error, match", [
-    (dict(attention={"pattern": "window:0"}), ValueError, r"attention_pattern: bad part 'window:0'"),
-    (dict(attention={"pattern": "tile:4"}), ValueError, r"attention_pattern: .*unknown name 'tile'"),
-    (dict(attention={"pattern": "window:4|"}), ValueError, r"attention_pattern: .*grammar"),
-    (dict(attention={"pattern": 4}), TypeError, r"attention_pattern must be a str"),
+    (dict(attention={"pattern": "window:0"}), ValueError,
+     r"attention\.pattern: bad part 'window:0'"),
+    (dict(attention={"pattern": "tile:4"}), ValueError,
+     r"attention\.pattern: .*unknown name 'tile'"),
+    (dict(attention={"pattern": "window:4|"}), ValueError, r"attention\.pattern: .*grammar"),
+    (dict(attention={"pattern": 4}), TypeError, r"attention\.pattern must be a str"),
     (dict(attention={"pattern": "window:4", "sliding_window": 8}), ValueError,
-     r"sliding_window \(8\) or attention_pattern .* not both"),
+     r"attention\.sliding_window \(8\) or attention\.pattern .* not both"),
 ])
 def test_bad_patterns_are_rejected_by_the_config(overrides, error, match):
     with pytest.raises(error, match=match):
@@ -115,5 +116,5 @@ def test_bad_patterns_are_rejected_by_the_config(overrides, error, match):
 
 def test_replace_validates_the_pattern_again():
     config = _config(attention={"pattern": "strided:4"})
-    with pytest.raises(ValueError, match="attention_pattern"):
-        dataclasses.replace(config, attention={"pattern": "strided:-1"})
+    with pytest.raises(ValueError, match=r"attention\.pattern"):
+        config.replace(attention={"pattern": "strided:-1"})

@@ -16,8 +16,8 @@ POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "t5", "none")
 
 
 def _decoder(**overrides):
-    config = DecoderConfig(**(dict(vocab_size=40, d_model=32, num_layers=2, num_heads=4,
-                                   attention={"num_kv_heads": 2}, d_ff=48, max_len=32) | overrides))
+    config = DecoderConfig(vocab_size=40, d_model=32, num_layers=2, num_heads=4,
+                           attention={"num_kv_heads": 2}, d_ff=48, max_len=32).replace(**overrides)
     return Decoder(config, rngs=nnx.Rngs(0))
 
 
@@ -53,7 +53,8 @@ CASES = [(p, w, False) for p in POSITIONS for w in (None, 4)] + [("rope", 4, Tru
 
 @pytest.mark.parametrize(("position", "window", "scan"), CASES)
 def test_cached_logits_equal_full_sequence(position, window, scan):
-    model = _decoder(position=position, attention={"sliding_window": window}, compute={"scan_layers": scan})
+    model = _decoder(position=position, attention={"sliding_window": window},
+                     compute={"scan_layers": scan})
     ids = _ids()
     got, cache = _cached_logits(model, ids)
     chex.assert_trees_all_close(got, nnx.jit(lambda m, x: m(x))(model, ids), atol=2e-5)
