@@ -18,7 +18,8 @@ VOCAB = 50
 @pytest.fixture(scope="module")
 def decoder():
     config = DecoderConfig(vocab_size=VOCAB, d_model=32, num_layers=2, num_heads=4,
-                           attention={"num_kv_heads": 2, "sliding_window": 6}, d_ff=64, max_len=64, position="rope")
+                           attention={"num_kv_heads": 2, "sliding_window": 6}, d_ff=64,
+                           max_len=64, position="rope")
     return Decoder(config, rngs=nnx.Rngs(0))
 
 

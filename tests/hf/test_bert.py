@@ -126,7 +126,8 @@ def test_config_mapping():
     config = bert.config_from_hf(hf, "BertModel")
     assert (config.d_model, config.num_layers, config.num_heads, config.d_ff, config.max_len,
             config.type_vocab_size, config.vocab_size) == (32, 2, 4, 37, 64, 3, 99)
-    assert (config.mlp.activation, config.norm.eps, config.special_tokens.pad_id) == ("gelu_tanh", 1e-7, 3)
+    assert (config.mlp.activation, config.norm.eps, config.special_tokens.pad_id) == (
+        "gelu_tanh", 1e-7, 3)
     assert (config.position, config.norm.pre_norm, config.use_bias, config.dropout) == (
         "learned", False, True, 0.0)
     written = bert.config_to_hf(config, "BertForMaskedLM")

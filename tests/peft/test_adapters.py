@@ -21,8 +21,8 @@ from tfx.peft.adapters import Adapter, Adapters
 from tfx.peft.core import PeftParam
 
 VOCAB, D, LAYERS, B = 40, 32, 2, 4
-SMALL = dict(vocab_size=VOCAB, d_model=D, num_layers=LAYERS, num_heads=4, attention={"num_kv_heads": 2},
-             d_ff=48, max_len=24)
+SMALL = dict(vocab_size=VOCAB, d_model=D, num_layers=LAYERS, num_heads=4,
+             attention={"num_kv_heads": 2}, d_ff=48, max_len=24)
 
 
 def _ids(batch=2, seq=6, seed=1):
@@ -45,7 +45,8 @@ def test_adapter_is_the_bottleneck_formula():
 
 @pytest.mark.parametrize("pre_norm, scan_layers", [(True, False), (False, False), (True, True)])
 def test_zero_up_projection_leaves_the_decoder_exactly_unchanged(pre_norm, scan_layers):
-    model = Decoder(DecoderConfig(norm={"pre_norm": pre_norm}, compute={"scan_layers": scan_layers}, **SMALL),
+    model = Decoder(DecoderConfig(norm={"pre_norm": pre_norm},
+                                  compute={"scan_layers": scan_layers}, **SMALL),
                     rngs=nnx.Rngs(0))
     forward = nnx.jit(lambda model, ids: model(ids))
     ids = _ids()

@@ -19,7 +19,9 @@ from tfx.peft.lora_modules import LoRAEmbedding, LoRALinear
 
 # A LLaMA-style decoder with GQA (4 query heads, 2 KV heads) and an untied head.
 GQA = DecoderConfig(vocab_size=64, d_model=32, num_heads=4, attention={"num_kv_heads": 2}, d_ff=48,
-                    num_layers=2, max_len=64, position="rope", norm={"kind": "rms"}, mlp={"activation": "silu", "gated": True}, use_bias=False, embeddings={"tie": False})
+                    num_layers=2, max_len=64, position="rope", norm={"kind": "rms"},
+                    mlp={"activation": "silu", "gated": True}, use_bias=False,
+                    embeddings={"tie": False})
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 10)), jnp.int32)
 EVERYTHING = ("query", "key", "value", "out", "up", "gate", "down", "tokens", "head")
 

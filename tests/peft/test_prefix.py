@@ -146,7 +146,8 @@ def test_decoder_with_prefix_equals_decoder_continuing_the_prefix_tokens(scan_la
 @pytest.mark.parametrize(("prefix", "overrides"), [
     (Prefix(G), {}),
     (Prefix(G, projection=8), dict(position="xl")),  # Transformer-XL memory as the cache
-    (Prefix(G), dict(attention={"sliding_window": 4})),  # a ring-buffer cache shorter than the prompt
+    # A ring-buffer cache shorter than the prompt.
+    (Prefix(G), dict(attention={"sliding_window": 4})),
 ])
 def test_cached_decoding_and_generate_equal_full_recompute(prefix, overrides):
     model = _model(prefix, **overrides)
