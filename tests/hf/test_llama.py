@@ -108,9 +108,11 @@ def test_legacy_rope_fields_read_like_rope_parameters():
 
 
 def test_sliding_window_is_mistral_only():
-    assert llama.config_from_hf(dict(BASE, sliding_window=None), MISTRAL).sliding_window is None
+    mistral = llama.config_from_hf(dict(BASE, sliding_window=None), MISTRAL)
+    assert mistral.attention.sliding_window is None
     # transformers' Llama has no window: a stray field changes nothing there, nor here.
-    assert llama.config_from_hf(dict(BASE, sliding_window=4), LLAMA).sliding_window is None
+    stray = llama.config_from_hf(dict(BASE, sliding_window=4), LLAMA)
+    assert stray.attention.sliding_window is None
 
 
 @pytest.mark.parametrize("fields, match", [
@@ -126,17 +128,17 @@ def test_unsupported_hf_settings_raise(fields, match):
 
 
 _TFX = DecoderConfig(vocab_size=99, d_model=32, num_layers=1, num_heads=4, d_ff=48,
-                     position="rope", norm="rms", gated_mlp=True, activation="silu",
-                     use_bias=False)
+                     position="rope", norm={"kind": "rms"},
+                     mlp={"activation": "silu", "gated": True}, use_bias=False)
 
 
 @pytest.mark.parametrize("architecture, changes, match", [
-    (LLAMA, dict(norm="layer"), "norm"),
+    (LLAMA, dict(norm={"kind": "layer"}), r"norm\.kind"),
     (LLAMA, dict(position="learned"), "position"),
-    (LLAMA, dict(rope_layout="interleaved"), "rope_layout"),
-    (LLAMA, dict(sliding_window=4), "sliding_window"),
-    (LLAMA, dict(rope_scaling=NTKScaling(2.0)), "rope_scaling"),
-    (LLAMA, dict(rope_scaling=DynamicNTKScaling(2.0, 16), max_len=32), "max_len"),
+    (LLAMA, dict(rope={"layout": "interleaved"}), r"rope\.layout"),
+    (LLAMA, dict(attention={"sliding_window": 4}), r"attention\.sliding_window"),
+    (LLAMA, dict(rope={"scaling": NTKScaling(2.0)}), r"rope\.scaling"),
+    (LLAMA, dict(rope={"scaling": DynamicNTKScaling(2.0, 16)}, max_len=32), "max_len"),
     (MISTRAL, dict(use_bias=True), "use_bias"),
 ])
 def test_configs_transformers_cannot_express_raise(architecture, changes, match):

@@ -169,7 +169,7 @@ def test_legacy_configs_pick_the_head():
     base = dict(vocab_size=99, d_model=32, num_heads=4, d_kv=8, num_layers=2)
     flan = t5.config_from_hf({**base, "tie_word_embeddings": False,
                               "feed_forward_proj": "gated-gelu"}, ARCH)
-    assert not flan.tie_embeddings and flan.activation == "gelu_tanh" and flan.gated_mlp
+    assert not flan.embeddings.tie and flan.mlp.activation == "gelu_tanh" and flan.mlp.gated
     original = t5.config_from_hf(base, ARCH)
     assert original.tie_embeddings and original.scale_tied_head and original.activation == "relu"
     resaved = t5.config_from_hf({**base, "tie_word_embeddings": True,

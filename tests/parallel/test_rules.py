@@ -66,8 +66,8 @@ def test_char_gpt_specs(column, sizes):
 
 def test_dims_not_divisible_by_their_axes_stay_replicated():
     # vocab 250 and d_ff 90 are not multiples of tensor=4; key/value [36, 18] neither.
-    params = params_of(vocab_size=250, d_model=36, num_heads=4, num_kv_heads=2, d_ff=90,
-                       num_layers=1)
+    params = params_of(vocab_size=250, d_model=36, num_heads=4, attention={"num_kv_heads": 2},
+                       d_ff=90, num_layers=1)
     specs = named(param_specs(params, mesh(FSDP2_TP4)))
     layer = "stack/layers/0/"
     assert specs["embeddings/tokens/table"] == P(None, "fsdp")
@@ -82,7 +82,7 @@ def test_dims_not_divisible_by_their_axes_stay_replicated():
 
 def test_biases_untied_head_learned_positions_and_stacked_layers():
     params = params_of("gpt2-small", vocab_size=256, d_model=64, num_heads=4, d_ff=128,
-                       num_layers=2, tie_embeddings=False, scan_layers=True)
+                       num_layers=2, embeddings={"tie": False}, compute={"scan_layers": True})
     specs = named(param_specs(params, mesh(DP2_FSDP2_TP2)))
     layers = "stack/layers/"
     assert specs["head/kernel"] == P("fsdp", "tensor")  # [d_model, vocab]
