@@ -3,7 +3,7 @@
 Mixtral is Mistral (RMSNorm, grouped-query attention, "half" rotary layout, an optional sliding
 window) with a sparse MoE block in place of every MLP: a bias-free router over E experts picks
 the k most probable by softmax over all E, weighted by their probabilities renormalised over the
-k (tfx's `router_policy="topk"`, dropless), and each expert is a SwiGLU MLP
+k (tfx's `moe.policy="topk"`, dropless), and each expert is a SwiGLU MLP
 (w1 = gate, w3 = up, w2 = down). Attention and norms map as in `tfx.hf.llama`.
 
 Tensors. `save_pretrained` (transformers 5) writes, and Hub checkpoints hold, one tensor per
@@ -23,7 +23,7 @@ weights are training settings in tfx (tfx.train.config.TrainConfig), not part of
 `output_router_logits` is false; no router z-loss), and a save writes MixtralConfig's defaults
 (`output_router_logits` false).
 `router_jitter_noise` multiplies the whole MoE input (router and experts) in training, tfx's
-`router_jitter` only the router logits: it is not carried either way (0 on load and save);
+`moe.jitter` only the router logits: it is not carried either way (0 on load and save);
 inference is unaffected by both.
 """
 

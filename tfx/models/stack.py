@@ -21,7 +21,7 @@ __all__ = ["Embeddings", "Stack"]
 class Embeddings(nnx.Module):
     """Token embedding, plus absolute positions and token types where the config has them.
 
-    Token embeddings are multiplied by sqrt(d_model) with `scale_embeddings` (Vaswani et al.).
+    Token embeddings are multiplied by sqrt(d_model) with `embeddings.scale` (Vaswani et al.).
     Post-norm models (BERT) normalise the sum, as BERT does; dropout follows.
     """
 
