@@ -150,7 +150,7 @@ def test_only_adapters_get_gradients(scan_layers):
     (dict(size=0), ValueError),
     (dict(size=2.5), TypeError),
     (dict(reduction=0), ValueError),
-    (dict(mlp={"activation": "tanh"}), ValueError),
+    (dict(activation="tanh"), ValueError),
     (dict(init_std=-1.0), ValueError),
 ])
 def test_bad_settings(settings, error):
