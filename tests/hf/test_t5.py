@@ -171,10 +171,10 @@ def test_legacy_configs_pick_the_head():
                               "feed_forward_proj": "gated-gelu"}, ARCH)
     assert not flan.embeddings.tie and flan.mlp.activation == "gelu_tanh" and flan.mlp.gated
     original = t5.config_from_hf(base, ARCH)
-    assert original.tie_embeddings and original.scale_tied_head and original.activation == "relu"
+    assert original.embeddings.tie and original.scale_tied_head and original.mlp.activation == "relu"
     resaved = t5.config_from_hf({**base, "tie_word_embeddings": True,
                                  "scale_decoder_outputs": False}, ARCH)
-    assert not resaved.tie_embeddings and not resaved.scale_tied_head
+    assert not resaved.embeddings.tie and not resaved.scale_tied_head
 
 
 def test_config_to_hf_refuses_non_t5_models():

@@ -29,10 +29,11 @@ from tfx.models.parts import (
 )
 from tfx.ops.backends import default_compute_dtype
 
-__all__ = ["COMPUTE_DTYPES", "POSITIONS", "SUBCONFIGS", "AttentionConfig", "ComputeConfig",
-           "DecoderConfig", "EmbeddingsConfig", "EncoderConfig", "EncoderDecoderConfig",
-           "MlpConfig", "MoeConfig", "NormConfig", "RopeConfig", "SpecialTokens",
-           "T5BiasConfig", "TransformerConfig", "compute_dtype", "field_value", "nested"]
+__all__ = ["COMPUTE_DTYPES", "OPTIONAL_SUBCONFIGS", "POSITIONS", "SUBCONFIGS",
+           "AttentionConfig", "ComputeConfig", "DecoderConfig", "EmbeddingsConfig",
+           "EncoderConfig", "EncoderDecoderConfig", "MlpConfig", "MoeConfig", "NormConfig",
+           "RopeConfig", "SpecialTokens", "T5BiasConfig", "TransformerConfig", "compute_dtype",
+           "field_value", "nested"]
 
 # How a model knows where tokens are: added to the embeddings ("learned", "sinusoidal"), rotated
 # into queries and keys ("rope"), added to the scores ("alibi", "t5", and Transformer-XL's
@@ -44,6 +45,8 @@ SUBCONFIGS = {"rope": RopeConfig, "t5": T5BiasConfig, "attention": AttentionConf
               "mlp": MlpConfig, "norm": NormConfig, "moe": MoeConfig,
               "embeddings": EmbeddingsConfig, "compute": ComputeConfig,
               "special_tokens": SpecialTokens}
+# The sub-configs that may be None (absent: not used by the model).
+OPTIONAL_SUBCONFIGS = ("rope", "t5", "moe")
 # Sub-configs that exist only for one position kind: filled with their defaults when that kind
 # is chosen without them, refused with any other.
 _POSITION_PARTS = {"rope": "rope", "t5": "t5"}
@@ -66,7 +69,6 @@ def compute_dtype(config_dtype: str | None, platform: str) -> jnp.dtype | None:
         raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {config_dtype!r}")
     dtype = config_dtype or default_compute_dtype(platform)
     return None if dtype is None else jnp.dtype(dtype)
-
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -237,7 +239,7 @@ def _check_part(config: TransformerConfig, name: str, kind: type) -> None:
             raise ValueError(f"{name} holds the settings of position={position_kind!r}, but "
                              f"position is {config.position!r}: set {name}=None (on the command "
                              f"line --model.{name}=None)")
-    optional = name in ("rope", "t5", "moe")
+    optional = name in OPTIONAL_SUBCONFIGS
     if not (isinstance(value, kind) or (optional and value is None)):
         raise TypeError(f"{name} must be a {kind.__name__}{' or None' if optional else ''} (or "
                         f"a dict of its fields), got {type(value).__name__}")

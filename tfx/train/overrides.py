@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from tfx.models.config import OPTIONAL_SUBCONFIGS as _OPTIONAL
 from tfx.models.config import SUBCONFIGS
 from tfx.train.config import Experiment
 
 __all__ = ["switch_parts"]
-
-_OPTIONAL = ("rope", "t5", "moe")
 
 
 def switch_parts(experiment: Experiment, args: list[str]) -> tuple[Experiment, list[str]]:
