@@ -171,7 +171,8 @@ def test_legacy_configs_pick_the_head():
                               "feed_forward_proj": "gated-gelu"}, ARCH)
     assert not flan.embeddings.tie and flan.mlp.activation == "gelu_tanh" and flan.mlp.gated
     original = t5.config_from_hf(base, ARCH)
-    assert original.embeddings.tie and original.scale_tied_head and original.mlp.activation == "relu"
+    assert original.embeddings.tie and original.scale_tied_head
+    assert original.mlp.activation == "relu"
     resaved = t5.config_from_hf({**base, "tie_word_embeddings": True,
                                  "scale_decoder_outputs": False}, ARCH)
     assert not resaved.embeddings.tie and not resaved.scale_tied_head
