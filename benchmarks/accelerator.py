@@ -42,7 +42,7 @@ from train import build_model, tfx_runner
 
 import tfx
 import tfx.ops
-from tfx.models import DecoderConfig
+from tfx.models import AttentionConfig, DecoderConfig, EmbeddingsConfig, MlpConfig, NormConfig
 from tfx.models.config import compute_dtype
 from tfx.ops.attention import static_spec
 from tfx.ops.backends import AttentionCase, select_attention
@@ -74,9 +74,10 @@ class Sizes:
 def _gpt(vocab, d_model, layers, heads, kv_heads, max_len) -> DecoderConfig:
     """A LLaMA-shaped decoder (RoPE, RMSNorm, SwiGLU, untied head)."""
     return DecoderConfig(vocab_size=vocab, d_model=d_model, num_layers=layers, num_heads=heads,
-                         num_kv_heads=kv_heads, d_ff=int(8 / 3 * d_model) // 64 * 64,
-                         max_len=max_len, position="rope", norm="rms", activation="silu",
-                         gated_mlp=True, use_bias=False, tie_embeddings=False)
+                         d_ff=int(8 / 3 * d_model) // 64 * 64, max_len=max_len, position="rope",
+                         attention=AttentionConfig(num_kv_heads=kv_heads),
+                         norm=NormConfig(kind="rms"), mlp=MlpConfig(activation="silu", gated=True),
+                         use_bias=False, embeddings=EmbeddingsConfig(tie=False))
 
 
 FULL = Sizes(matmul=8192, seqs=(1024, 2048, 4096, 8192, 16384), attention_tokens=16384,

@@ -42,11 +42,11 @@ from timing import markdown_table, provenance, publish
 
 import tfx
 import tfx.hf
-from tfx.models import DecoderConfig, create
+from tfx.models import DecoderConfig, MlpConfig, NormConfig, create
 
 CONFIG = DecoderConfig(vocab_size=8192, d_model=384, num_layers=6, num_heads=6, d_ff=4 * 384,
-                       max_len=192, position="learned", activation="gelu_tanh",
-                       tie_embeddings=True, use_bias=True, norm="layer")
+                       max_len=192, position="learned", mlp=MlpConfig(activation="gelu_tanh"),
+                       use_bias=True, norm=NormConfig(kind="layer"))
 PROMPT_LEN = 64
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -263,7 +263,8 @@ def kv_cache_bytes(batches, cache_len: int = 192) -> list[dict]:
     """Bytes of `init_cache(batch, cache_len)` with 6 query heads and 6 / 2 / 1 KV heads."""
     rows = []
     for name, kv_heads in (("MHA", 6), ("GQA", 2), ("MQA", 1)):
-        model = nnx.eval_shape(lambda k=kv_heads: create(CONFIG.replace(num_kv_heads=k)))
+        model = nnx.eval_shape(
+            lambda k=kv_heads: create(CONFIG.replace(attention={"num_kv_heads": k})))
         row = {"attention": name, "num_kv_heads": kv_heads, "cache_len": cache_len}
         for batch in batches:
             row[f"batch_{batch}"] = model.init_cache(batch, cache_len).nbytes

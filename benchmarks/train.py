@@ -45,7 +45,7 @@ from flax import nnx
 from timing import markdown_table, provenance, publish
 
 import tfx.hf
-from tfx.models import PRESETS, DecoderConfig, create
+from tfx.models import PRESETS, DecoderConfig, MlpConfig, NormConfig, create
 from tfx.ops.attention import BLOCKED_MIN_SCORES
 from tfx.train.config import OptimConfig
 from tfx.train.flops import matmul_peak_flops, parameter_count, training_flops_per_token
@@ -58,8 +58,8 @@ CONFIGS = {
     "char-gpt": (PRESETS["char-gpt"].replace(max_len=SEQ_LEN), "LlamaForCausalLM"),
     "gpt-6x384": (DecoderConfig(vocab_size=256, d_model=384, num_layers=6, num_heads=6,
                                 d_ff=4 * 384, max_len=SEQ_LEN, position="learned",
-                                norm="layer", norm_eps=1e-5, activation="gelu_tanh",
-                                use_bias=True, tie_embeddings=True),
+                                norm=NormConfig(kind="layer", eps=1e-5),
+                                mlp=MlpConfig(activation="gelu_tanh"), use_bias=True),
                   "GPT2LMHeadModel"),
 }
 HEADLINE = "gpt-6x384"  # the config whose ratio and MFU are the JSON's `vs_torch` and `mfu`
@@ -180,7 +180,7 @@ def measure_config(name: str, args) -> dict:
 
     config, architecture = CONFIGS[name]
     if args.implementation:
-        config = config.replace(implementation=args.implementation)
+        config = config.replace(attention={"implementation": args.implementation})
     tokens = np.random.default_rng(1).integers(0, config.vocab_size,
                                                (args.batch, args.seq_len + 1))
     steps = 2 + args.warmup + args.repeats  # first, warmup, timed, last
@@ -202,7 +202,7 @@ def measure_config(name: str, args) -> dict:
            "d_model": config.d_model, "num_heads": config.num_heads,
            "num_kv_heads": config.kv_heads,
            "parameters": num_params, "flops_per_token": flops_per_token,
-           "attention_implementation": config.implementation or "auto ({})".format(
+           "attention_implementation": config.attention.implementation or "auto ({})".format(
                "blocked" if args.seq_len**2 >= BLOCKED_MIN_SCORES else "reference"),
            "tfx_first_call_s": first_call_s, "first_loss_tfx": first["tfx"],
            "first_loss_torch": first["torch"], "last_loss_tfx": tfx_step(),

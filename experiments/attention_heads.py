@@ -56,7 +56,7 @@ def variant_experiment(kv_heads: int, steps: int, smoke: bool) -> Experiment:
     """gpt_char with NUM_HEADS query heads and `kv_heads` key/value heads; in smoke mode a
     one-layer model of width 64 trained for a few steps."""
     base = get_experiment("gpt_char")
-    model = base.model.replace(num_heads=NUM_HEADS, num_kv_heads=kv_heads)
+    model = base.model.replace(num_heads=NUM_HEADS, attention={"num_kv_heads": kv_heads})
     if smoke:
         model = model.replace(d_model=64, d_ff=128, num_layers=1)
         train = harness.smoke_train(base.train)

@@ -100,7 +100,8 @@ def most_frequent_byte(experiment: Experiment) -> tuple[str, float]:
     non-special tokens: the expected masked accuracy of always predicting it (masking picks
     those tokens uniformly)."""
     c, feed = experiment.model, Feed(experiment)
-    specials = [c.pad_token_id, c.cls_token_id, c.sep_token_id, c.mask_token_id]
+    t = c.special_tokens
+    specials = [t.pad_id, t.cls_id, t.sep_id, t.mask_id]
     ids = np.concatenate([b["input_ids"][b["attention_mask"]] for b in feed.validation()])
     counts = np.bincount(ids[~np.isin(ids, specials)])
     return feed.tokenizer.decode([counts.argmax()]), float(counts.max() / counts.sum())

@@ -47,7 +47,7 @@ def experiments(steps: int, smoke: bool) -> dict[str, Experiment]:
     """name -> Experiment: dense, moe_k1 and moe_k2, alike but for the feed-forward layers."""
     dense, moe_k2 = get_experiment("gpt_char"), get_experiment("moe_gpt")
     moe_k1 = dataclasses.replace(
-        moe_k2, model=moe_k2.model.replace(experts_per_token=1, moe_d_ff=dense.model.d_ff))
+        moe_k2, model=moe_k2.model.replace(moe={"experts_per_token": 1, "d_ff": dense.model.d_ff}))
     runs = {"dense": dense, "moe_k1": moe_k1, "moe_k2": moe_k2}
     return {name: _sized(e, name, steps, smoke) for name, e in runs.items()}
 
@@ -58,8 +58,9 @@ def _sized(experiment: Experiment, name: str, steps: int, smoke: bool) -> Experi
     if smoke:
         # Widths keep the full run's proportions: k experts of width d_ff / k.
         m = experiment.model
-        model = m.replace(d_model=32, num_heads=2, num_kv_heads=1, num_layers=1, d_ff=64,
-                          moe_d_ff=None if not m.num_experts else 64 // m.experts_per_token)
+        model = m.replace(d_model=32, num_heads=2, attention={"num_kv_heads": 1}, num_layers=1,
+                          d_ff=64, moe=None if m.moe is None else {
+                              "d_ff": 64 // m.moe.experts_per_token})
         return dataclasses.replace(experiment, name=name, model=model,
                                    train=harness.smoke_train(t, steps=steps))
     eval_every = max(1, steps // 5)
@@ -145,7 +146,8 @@ def routing_statistics(model: nnx.Module, batches: list[dict]) -> dict:
 
 def with_capacity(model: nnx.Module, capacity_factor: float) -> nnx.Module:
     """A copy of `model` (same weights, eval mode) whose MoE layers have that capacity."""
-    copy = create(model.config.replace(capacity_factor=capacity_factor), rngs=nnx.Rngs(0))
+    copy = create(model.config.replace(moe={"capacity_factor": capacity_factor}),
+                  rngs=nnx.Rngs(0))
     nnx.update(copy, nnx.state(model, nnx.Param))
     copy.eval()
     return copy
@@ -171,14 +173,14 @@ def measure(experiment: Experiment, run: Path) -> dict:
     model, batches = trainer.model(), trainer.feed.validation()
     trainer.close()
     result["params"], result["active_params"] = parameter_counts(model)
-    if experiment.model.num_experts:
+    if experiment.model.moe is not None:
         result["val_loss_at_capacity"] = {
             str(cf): validation_loss(with_capacity(model, cf), batches)
             for cf in CAPACITY_FACTORS}
         tokens = batches[0]["tokens"].shape[0] * (batches[0]["tokens"].shape[1] - 1)
         result["capacity"] = {
-            str(cf): moe.expert_capacity(tokens, experiment.model.num_experts,
-                                         experiment.model.experts_per_token, cf)
+            str(cf): moe.expert_capacity(tokens, experiment.model.moe.num_experts,
+                                         experiment.model.moe.experts_per_token, cf)
             for cf in CAPACITY_FACTORS}
         result.update(routing_statistics(model, batches))
     return result

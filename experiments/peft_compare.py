@@ -46,7 +46,8 @@ def base_experiment(smoke: bool):
     e = get_experiment("gpt_char")
     if not smoke:
         return e
-    model = e.model.replace(d_model=32, num_heads=2, num_kv_heads=None, d_ff=64, num_layers=1)
+    model = e.model.replace(d_model=32, num_heads=2, attention={"num_kv_heads": None}, d_ff=64,
+                            num_layers=1)
     return dataclasses.replace(e, model=model, train=TrainConfig(
         steps=3, batch_size=4, seq_len=32, eval_every=3, eval_batches=1, checkpoint_every=3))
 

@@ -45,8 +45,9 @@ NAME = "posenc_extrapolation"
 TRAIN_LEN = 128
 EVAL_LENS = (128, 256, 512, 1024)
 # A smaller char-gpt (the posenc_<kind> experiments' model), so that seven trainings fit.
-MODEL = dict(d_model=128, num_layers=3, num_heads=4, num_kv_heads=2, d_ff=384)
-SMOKE_MODEL = dict(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, d_ff=64)
+MODEL = dict(d_model=128, num_layers=3, num_heads=4, attention={"num_kv_heads": 2}, d_ff=384)
+SMOKE_MODEL = dict(d_model=32, num_layers=1, num_heads=2, attention={"num_kv_heads": 1},
+                   d_ff=64)
 BATCH_SIZE = 16
 # Held-out spans of max(EVAL_LENS) tokens: 16 x 1024 = 16384 tokens scored at every length.
 NUM_SPANS, SMOKE_SPANS = 16, 2

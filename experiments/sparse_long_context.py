@@ -55,12 +55,13 @@ def experiment(context: int, steps: int, smoke: bool):
     """gpt_char's model and optimiser, made small enough to train at `context` on 2 CPU cores
     (2 sequences a step), warming up for the first sixth of the steps."""
     e = get_experiment("gpt_char")
-    model = e.model.replace(d_model=128, num_heads=4, num_kv_heads=2, d_ff=512, num_layers=2,
-                            max_len=context)
+    model = e.model.replace(d_model=128, num_heads=4, attention={"num_kv_heads": 2}, d_ff=512,
+                            num_layers=2, max_len=context)
     train = TrainConfig(steps=steps, batch_size=2, seq_len=context, log_every=10,
                         eval_every=max(1, steps // 5), eval_batches=8, checkpoint_every=steps)
     if smoke:
-        model = model.replace(d_model=32, num_heads=2, num_kv_heads=None, d_ff=64, num_layers=1)
+        model = model.replace(d_model=32, num_heads=2, attention={"num_kv_heads": None}, d_ff=64,
+                              num_layers=1)
         train = harness.smoke_train(train, steps=steps, seq_len=context)
     optim = dataclasses.replace(e.optim, warmup_steps=steps // 6)
     return dataclasses.replace(e, name=NAME, model=model, train=train, optim=optim)
@@ -73,10 +74,10 @@ def mask_facts(model, spec_text: str | None, context: int) -> dict:
     causal = Causal()
     spec = causal if spec_text is None else causal & parse_spec(spec_text)
     attended = spec.dense(context, context).sum() / causal.dense(context, context).sum()
-    head_dim = model.head_dim or model.d_model // model.num_heads
+    head_dim = model.attention.head_dim or model.d_model // model.num_heads
     platform = jax.default_backend()
     kernel = select_attention(platform, AttentionCase(
-        dtype=np.dtype(compute_dtype(model.dtype, platform) or np.float32), q_len=context,
+        dtype=np.dtype(compute_dtype(model.compute.dtype, platform) or np.float32), q_len=context,
         kv_len=context, num_heads=model.num_heads, num_kv_heads=model.kv_heads,
         head_dim=head_dim, value_dim=head_dim, spec=spec))
     tiles = None
@@ -93,7 +94,7 @@ def run(args) -> dict:
     results = {}
     with harness.workdir(args) as runs:
         for name, spec in patterns(args.context).items():
-            e = dataclasses.replace(base, model=base.model.replace(attention_pattern=spec))
+            e = dataclasses.replace(base, model=base.model.replace(attention={"pattern": spec}))
             measured = harness.train_measured(e, runs / name)
             results[name] = {"spec": spec, "val_loss": measured["val_loss"],
                              "step_seconds": measured["step_seconds"],

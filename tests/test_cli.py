@@ -22,7 +22,7 @@ from tfx.train.lock import WorkdirLock
 from tfx.train.loop import Trainer
 
 TINY = ["--no-progress", "--model.num_layers=1", "--model.d_model=32", "--model.num_heads=2",
-        "--model.num_kv_heads=1", "--model.d_ff=64", "--train.seq_len=32",
+        "--model.attention.num_kv_heads=1", "--model.d_ff=64", "--train.seq_len=32",
         "--train.batch_size=4", "--train.eval_batches=1", "--train.eval_every=2"]
 
 
@@ -152,7 +152,8 @@ def test_train_help_lists_the_experiments_fields(capsys):
         main(["train", "bert_mlm", "--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert "--workdir" in out and "--model.mask-token-id" in out and "--optim.learning-rate" in out
+    assert "--workdir" in out and "--model.special-tokens.mask-id" in out
+    assert "--optim.learning-rate" in out
 
 
 def _one_error_line(err: str, command: str = "train") -> str:

@@ -24,7 +24,7 @@ def write_corpus(folder: Path) -> Path:
 def tiny(name: str, data: Path | None = None, **train):
     """Experiment `name` shrunk: one small layer, short sequences, a handful of steps."""
     e = get_experiment(name)
-    model = e.model.replace(d_model=32, num_heads=2, num_kv_heads=None, d_ff=64,
+    model = e.model.replace(d_model=32, num_heads=2, attention={"num_kv_heads": None}, d_ff=64,
                             num_layers=1)
     settings = dict(steps=6, batch_size=4, seq_len=32, log_every=2, eval_every=3,
                     eval_batches=2, checkpoint_every=3)

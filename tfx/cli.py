@@ -2,13 +2,16 @@
 
     tfx train [EXPERIMENT] --workdir DIR [--steps N] [--checkpoint-every K] [--log-every L]
               [--init-from WORKDIR] [--peft lora --peft.rank 8 ...]
-              [--model.num_layers=4 --optim.learning_rate=1e-3 ...]
+              [--model.num_layers=4 --model.moe.num_experts=8 --optim.learning_rate=1e-3 ...]
     tfx sample --workdir DIR --prompt TEXT [--max-new-tokens N] [--temperature T] ...
     tfx eval --workdir DIR
     tfx embed TEXT ... [--model FOLDER]
     tfx experiments
 
-Experiment fields are overridden with tyro (`--help` after the experiment lists them all).
+Experiment fields are overridden with tyro (`--help` after the experiment lists them all);
+model sub-configs by dotted paths (`--model.norm.eps=1e-6`). An optional one that the
+experiment leaves out is switched on by naming a field of it (`--model.moe.num_experts=8`) and
+off with `--model.moe=None` (see tfx.train.overrides).
 """
 
 from __future__ import annotations
@@ -144,6 +147,7 @@ def _train(args, rest: list[str]) -> int:
 
     from tfx.train.experiments import get_experiment
     from tfx.train.loop import train
+    from tfx.train.overrides import switch_parts
 
     experiment = get_experiment(args.experiment)
     if args.help:
@@ -158,6 +162,9 @@ def _train(args, rest: list[str]) -> int:
                         ("peft.method", args.peft)):
         if value is not None:
             rest = [*rest, f"--{flag}={value}"]
+    # Optional sub-configs named on the command line (--model.moe.num_experts=8 on a dense
+    # model, --model.moe=None) are switched on or off in the default that tyro overrides.
+    experiment, rest = switch_parts(experiment, rest)
     experiment = tyro.cli(type(experiment), default=experiment, args=rest,
                           prog=f"tfx train {experiment.name}",
                           config=(tyro.conf.FlagConversionOff, tyro.conf.AvoidSubcommands))

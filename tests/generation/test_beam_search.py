@@ -91,7 +91,7 @@ def model():
     """A tiny random tfx T5 (no torch) with a scaled-up head, so that its next-token
     distributions are peaked rather than nearly uniform (no near-ties)."""
     model = create("t5-small", rngs=nnx.Rngs(0), dropout=0.0, num_layers=2, d_model=32,
-                   num_heads=4, d_ff=64, vocab_size=97, tie_embeddings=False)
+                   num_heads=4, d_ff=64, vocab_size=97, embeddings={"tie": False})
     model.head.kernel[...] = 6.0 * model.head.kernel[...]
     return model
 
@@ -171,6 +171,6 @@ def test_bad_arguments(model, kwargs, error, match):
 
 def test_decoder_only_model_is_refused():
     decoder = create("char-gpt", rngs=nnx.Rngs(0), num_layers=1, d_model=32, num_heads=4,
-                     num_kv_heads=2, d_ff=64)
+                     attention={"num_kv_heads": 2}, d_ff=64)
     with pytest.raises(TypeError, match="EncoderDecoder"):
         beam_search(decoder, np.ones((1, 3), np.int32), num_beams=2, max_new_tokens=2)

@@ -64,7 +64,7 @@ def test_decode_loop_writes_the_cache_in_place():
                    "as scan input and output (xs -> ys), so every step writes a whole new "
                    "stacked cache; carrying it and updating layer i in place would fix this")
 def test_decode_loop_with_stacked_layers_writes_the_cache_in_place():
-    config = CONFIG.replace(scan_layers=True, num_layers=2)
+    config = CONFIG.replace(compute={"scan_layers": True}, num_layers=2)
     hlo = _compiled_hlo(config)
     assert _loop_body_copies(hlo, _cache_shape(config, stacked=True)) == []
 

@@ -18,8 +18,8 @@ VOCAB = 50
 @pytest.fixture(scope="module")
 def decoder():
     config = DecoderConfig(vocab_size=VOCAB, d_model=32, num_layers=2, num_heads=4,
-                           num_kv_heads=2, d_ff=64, max_len=64, position="rope",
-                           sliding_window=6)
+                           attention={"num_kv_heads": 2, "sliding_window": 6}, d_ff=64,
+                           max_len=64, position="rope")
     return Decoder(config, rngs=nnx.Rngs(0))
 
 
@@ -175,7 +175,7 @@ def test_scanned_layers_and_transformer_xl_memory(position):
     """Stacked (nnx.scan) layers run inside the decoding loop; Transformer-XL decodes from its
     segment memory, with right-padded prompts too (generate left-aligns them)."""
     config = DecoderConfig(vocab_size=VOCAB, d_model=32, num_layers=2, num_heads=4, d_ff=64,
-                           max_len=64, position=position, scan_layers=True)
+                           max_len=64, position=position, compute={"scan_layers": True})
     model = Decoder(config, rngs=nnx.Rngs(0))
     prompts = _prompts(batch=2)
     mask = np.ones_like(prompts)

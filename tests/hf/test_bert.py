@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 import tfx.hf  # noqa: E402
 from tfx.hf import bert, io  # noqa: E402
 from tfx.models import EncoderConfig, create  # noqa: E402
+from tfx.models.config import nested  # noqa: E402
 
 TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
             intermediate_size=37, max_position_embeddings=64, type_vocab_size=3)
@@ -126,8 +127,9 @@ def test_config_mapping():
     config = bert.config_from_hf(hf, "BertModel")
     assert (config.d_model, config.num_layers, config.num_heads, config.d_ff, config.max_len,
             config.type_vocab_size, config.vocab_size) == (32, 2, 4, 37, 64, 3, 99)
-    assert (config.activation, config.norm_eps, config.pad_token_id) == ("gelu_tanh", 1e-7, 3)
-    assert (config.position, config.pre_norm, config.use_bias, config.dropout) == (
+    assert (config.mlp.activation, config.norm.eps, config.special_tokens.pad_id) == (
+        "gelu_tanh", 1e-7, 3)
+    assert (config.position, config.norm.pre_norm, config.use_bias, config.dropout) == (
         "learned", False, True, 0.0)
     written = bert.config_to_hf(config, "BertForMaskedLM")
     assert written["architectures"] == ["BertForMaskedLM"]
@@ -151,14 +153,14 @@ def test_config_from_hf_rejects_unsupported_settings(tmp_path, field, value, arc
         tfx.hf.load(tmp_path)
 
 
-@pytest.mark.parametrize("field, value", [("pre_norm", True), ("position", "rope"),
-                                          ("norm", "rms"), ("use_bias", False),
-                                          ("gated_mlp", True), ("num_kv_heads", 2),
-                                          ("attention_scale", 1.0)])
+@pytest.mark.parametrize("field, value", [("norm.pre_norm", True), ("position", "rope"),
+                                          ("norm.kind", "rms"), ("use_bias", False),
+                                          ("mlp.gated", True), ("attention.num_kv_heads", 2),
+                                          ("attention.scale", 1.0)])
 def test_config_to_hf_rejects_what_bert_cannot_express(field, value):
     config = EncoderConfig(vocab_size=99, d_model=32, num_layers=1, num_heads=4, d_ff=37,
-                           **{"pre_norm": False, field: value})
-    with pytest.raises(ValueError, match=field):
+                           **nested({"norm.pre_norm": False, field: value}))
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         bert.config_to_hf(config, "BertModel")
 
 

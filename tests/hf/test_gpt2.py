@@ -56,10 +56,10 @@ def test_config_mapping(loaded):
     case, _, model = loaded
     config = model.config
     assert config.d_ff == (48 if case == "untied-relu" else 4 * 32)
-    assert config.tie_embeddings == (case != "untied-relu")
-    assert config.activation == {"tied-gelu_new": "gelu_tanh", "untied-relu": "relu",
+    assert config.embeddings.tie == (case != "untied-relu")
+    assert config.mlp.activation == {"tied-gelu_new": "gelu_tanh", "untied-relu": "relu",
                                  "gelu": "gelu"}[case]
-    assert (config.max_len, config.norm_eps, config.dropout) == (16, 1e-5, 0.0)
+    assert (config.max_len, config.norm.eps, config.dropout) == (16, 1e-5, 0.0)
 
 
 def test_save_round_trips_through_transformers(loaded, tmp_path):
@@ -84,7 +84,7 @@ def test_functional_split_merge_under_jit(loaded):
 def test_fields_left_out_take_gpt2_defaults():
     config = gpt2.config_from_hf({"n_embd": 32, "n_layer": 1, "n_head": 4}, ARCH)
     assert (config.vocab_size, config.max_len, config.d_ff) == (50257, 1024, 128)
-    assert config.activation == "gelu_tanh" and config.tie_embeddings
+    assert config.mlp.activation == "gelu_tanh" and config.embeddings.tie
 
 
 @pytest.mark.parametrize("fields, match", [
@@ -104,12 +104,12 @@ _TFX = gpt2.config_from_hf(BASE, ARCH)
 
 @pytest.mark.parametrize("changes, match", [
     (dict(position="rope"), "position"),
-    (dict(norm="rms"), "norm"),
-    (dict(gated_mlp=True), "gated_mlp"),
+    (dict(norm={"kind": "rms"}), r"norm\.kind"),
+    (dict(mlp={"gated": True}), r"mlp\.gated"),
     (dict(use_bias=False), "use_bias"),
-    (dict(num_kv_heads=2), "num_kv_heads"),
-    (dict(head_dim=16), "head_dim"),
-    (dict(activation="silu"), "activation"),
+    (dict(attention={"num_kv_heads": 2}), r"attention\.num_kv_heads"),
+    (dict(attention={"head_dim": 16}), r"attention\.head_dim"),
+    (dict(mlp={"activation": "silu"}), r"mlp\.activation"),
 ])
 def test_configs_gpt2_cannot_express_raise(changes, match):
     with pytest.raises(ValueError, match=match):
@@ -117,7 +117,7 @@ def test_configs_gpt2_cannot_express_raise(changes, match):
 
 
 def test_default_head_layout_spelled_out_is_accepted():
-    explicit = _TFX.replace(num_kv_heads=4, head_dim=8)
+    explicit = _TFX.replace(attention={"num_kv_heads": 4, "head_dim": 8})
     assert gpt2.config_to_hf(explicit, ARCH) == gpt2.config_to_hf(_TFX, ARCH)
 
 

@@ -14,7 +14,7 @@ from tfx.models import create
 
 def _model():
     return create("char-gpt", rngs=nnx.Rngs(0), num_layers=1, d_model=16, num_heads=2,
-                  num_kv_heads=1, d_ff=32)
+                  attention={"num_kv_heads": 1}, d_ff=32)
 
 
 def test_not_a_folder(tmp_path):
@@ -89,7 +89,7 @@ def test_assign_params_names_what_is_wrong():
 
 def test_assign_params_round_trip():
     model, other = _model(), create("char-gpt", rngs=nnx.Rngs(1), num_layers=1, d_model=16,
-                                    num_heads=2, num_kv_heads=1, d_ff=32)
+                                    num_heads=2, attention={"num_kv_heads": 1}, d_ff=32)
     io.assign_params(other, io.flat_params(model), source="test")
     for path, value in io.flat_params(model).items():
         np.testing.assert_array_equal(io.flat_params(other)[path], value)
@@ -124,10 +124,10 @@ def test_save_and_load_with_scanned_layers(tmp_path):
     from tfx.hf.io import flat_params
 
     model = create("llama-tiny", rngs=nnx.Rngs(0), num_layers=2, d_model=32, num_heads=4,
-                   num_kv_heads=2, d_ff=64, vocab_size=50)
+                   attention={"num_kv_heads": 2}, d_ff=64, vocab_size=50)
     hf.save(model, tmp_path / "llama", architecture="LlamaForCausalLM")
     listed = hf.load(tmp_path / "llama")
-    scanned = hf.load(tmp_path / "llama", scan_layers=True)
+    scanned = hf.load(tmp_path / "llama", compute={"scan_layers": True})
     ids = jnp.arange(12)[None] % 50
     np.testing.assert_allclose(scanned(ids), model(ids), atol=1e-5)
     np.testing.assert_allclose(listed(ids), model(ids), atol=1e-5)

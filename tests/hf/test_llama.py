@@ -71,11 +71,11 @@ def test_logits_match_transformers(loaded):
 def test_config_mapping(loaded):
     case, _, model = loaded
     config = model.config
-    assert config.sliding_window == (4 if case == "mistral-window" else None)
-    assert config.tie_embeddings == (case == "mqa-tied")
+    assert config.attention.sliding_window == (4 if case == "mistral-window" else None)
+    assert config.embeddings.tie == (case == "mqa-tied")
     assert config.kv_heads == {"mqa-tied": 1, "mha-bias": 4}.get(case, 2)
     assert config.use_bias == (case == "mha-bias")
-    assert (config.rope_scaling is None) == (case not in ("linear", "dynamic", "yarn", "llama3"))
+    assert (config.rope.scaling is None) == (case not in ("linear", "dynamic", "yarn", "llama3"))
 
 
 def test_save_round_trips_through_transformers(loaded, tmp_path):
@@ -104,13 +104,15 @@ def test_legacy_rope_fields_read_like_rope_parameters():
                                               factor=4.0))
     config = llama.config_from_hf(legacy, LLAMA)
     assert config == llama.config_from_hf(current, LLAMA)
-    assert config.rope_theta == 500000.0 and config.rope_scaling.factor == 4.0
+    assert config.rope.theta == 500000.0 and config.rope.scaling.factor == 4.0
 
 
 def test_sliding_window_is_mistral_only():
-    assert llama.config_from_hf(dict(BASE, sliding_window=None), MISTRAL).sliding_window is None
+    mistral = llama.config_from_hf(dict(BASE, sliding_window=None), MISTRAL)
+    assert mistral.attention.sliding_window is None
     # transformers' Llama has no window: a stray field changes nothing there, nor here.
-    assert llama.config_from_hf(dict(BASE, sliding_window=4), LLAMA).sliding_window is None
+    stray = llama.config_from_hf(dict(BASE, sliding_window=4), LLAMA)
+    assert stray.attention.sliding_window is None
 
 
 @pytest.mark.parametrize("fields, match", [
@@ -126,17 +128,17 @@ def test_unsupported_hf_settings_raise(fields, match):
 
 
 _TFX = DecoderConfig(vocab_size=99, d_model=32, num_layers=1, num_heads=4, d_ff=48,
-                     position="rope", norm="rms", gated_mlp=True, activation="silu",
-                     use_bias=False)
+                     position="rope", norm={"kind": "rms"},
+                     mlp={"activation": "silu", "gated": True}, use_bias=False)
 
 
 @pytest.mark.parametrize("architecture, changes, match", [
-    (LLAMA, dict(norm="layer"), "norm"),
+    (LLAMA, dict(norm={"kind": "layer"}), r"norm\.kind"),
     (LLAMA, dict(position="learned"), "position"),
-    (LLAMA, dict(rope_layout="interleaved"), "rope_layout"),
-    (LLAMA, dict(sliding_window=4), "sliding_window"),
-    (LLAMA, dict(rope_scaling=NTKScaling(2.0)), "rope_scaling"),
-    (LLAMA, dict(rope_scaling=DynamicNTKScaling(2.0, 16), max_len=32), "max_len"),
+    (LLAMA, dict(rope={"layout": "interleaved"}), r"rope\.layout"),
+    (LLAMA, dict(attention={"sliding_window": 4}), r"attention\.sliding_window"),
+    (LLAMA, dict(rope={"scaling": NTKScaling(2.0)}), r"rope\.scaling"),
+    (LLAMA, dict(rope={"scaling": DynamicNTKScaling(2.0, 16)}, max_len=32), "max_len"),
     (MISTRAL, dict(use_bias=True), "use_bias"),
 ])
 def test_configs_transformers_cannot_express_raise(architecture, changes, match):

@@ -57,26 +57,28 @@ def test_logits_match_transformers(loaded):
 def test_config_mapping(loaded):
     case, _, model = loaded
     config = model.config
-    assert (config.num_experts, config.moe_every, config.capacity_factor) == (4, 1, None)
-    assert config.experts_per_token == (3 if case == "tied-top3" else 2)
-    assert config.router_policy == "topk" and config.moe_d_ff == config.d_ff == 24
-    assert config.sliding_window == (4 if case == "window" else None)
-    assert config.tie_embeddings == (case == "tied-top3")
-    assert config.kv_heads == 2 and config.rope_theta == 100.0
+    assert (config.moe.num_experts, config.moe.every, config.moe.capacity_factor) == (4, 1, None)
+    assert config.moe.experts_per_token == (3 if case == "tied-top3" else 2)
+    assert config.moe.policy == "topk" and config.moe.d_ff == config.d_ff == 24
+    assert config.attention.sliding_window == (4 if case == "window" else None)
+    assert config.embeddings.tie == (case == "tied-top3")
+    assert config.kv_heads == 2 and config.rope.theta == 100.0
     # HF's aux loss scores a balanced router k, tfx's 1: the weight is scaled by k = 3, and is 0
-    # where HF adds no aux loss (output_router_logits false).
-    assert config.load_balancing_weight == pytest.approx(0.06 if case == "tied-top3" else 0.0)
-    assert config.router_z_weight == 0.0 and config.router_jitter == 0.0
+    # where HF adds no aux loss (output_router_logits false). A training setting in tfx.
+    settings = mixtral.train_settings({**BASE, **CASES[case]})
+    assert settings["load_balancing_weight"] == pytest.approx(0.06 if case == "tied-top3" else 0.0)
+    assert settings["router_z_weight"] == 0.0 and config.moe.jitter == 0.0
 
 
 def test_save_round_trips_through_transformers(loaded, tmp_path):
-    case, _, model = loaded
+    _, _, model = loaded
     tfx.hf.save(model, tmp_path / "out", architecture=MIXTRAL)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "out", attn_implementation="eager").eval()
     assert type(reloaded).__name__ == MIXTRAL
-    assert reloaded.config.router_aux_loss_coef == pytest.approx(
-        0.02 if case == "tied-top3" else 0.001)
+    # The loss weight is a training setting, not the model's: a save writes Mixtral's default.
+    assert reloaded.config.router_aux_loss_coef == pytest.approx(0.001)
+    assert not reloaded.config.output_router_logits
     assert_logits_match(torch, model, reloaded, SEQ)
     assert tfx.hf.load(tmp_path / "out").config == model.config
 
@@ -101,7 +103,7 @@ def test_fused_layout_loads_like_per_expert(loaded, tmp_path):
 def test_scan_layers_loads_and_saves_stacked_experts(loaded, tmp_path):
     _, hf_model, model = loaded
     hf_model.save_pretrained(tmp_path / "hf")
-    scanned = tfx.hf.load(tmp_path / "hf", scan_layers=True)
+    scanned = tfx.hf.load(tmp_path / "hf", compute={"scan_layers": True})
     assert io.flat_params(scanned)[("stack", "layers", "mlp", "experts", "gate")].shape == (
         2, 4, 32, 24)  # [layers, E, d_model, f]
     assert_logits_match(torch, scanned, hf_model, SEQ)
@@ -117,12 +119,12 @@ def test_config_defaults_are_mixtrals():
                    num_attention_heads=16)
     config = mixtral.config_from_hf(minimal, MIXTRAL)
     reference = transformers.MixtralConfig(**minimal)
-    assert config.rope_theta == reference.rope_parameters["rope_theta"] == 1e6
-    assert config.norm_eps == reference.rms_norm_eps
-    assert config.num_experts == reference.num_local_experts
-    assert config.experts_per_token == reference.num_experts_per_tok
+    assert config.rope.theta == reference.rope_parameters["rope_theta"] == 1e6
+    assert config.norm.eps == reference.rms_norm_eps
+    assert config.moe.num_experts == reference.num_local_experts
+    assert config.moe.experts_per_token == reference.num_experts_per_tok
     assert config.kv_heads == reference.num_key_value_heads
-    assert config.sliding_window is None
+    assert config.attention.sliding_window is None
 
 
 @pytest.mark.parametrize("fields, match", [
@@ -137,18 +139,19 @@ def test_unsupported_hf_settings_raise(fields, match):
 
 
 _TFX = DecoderConfig(vocab_size=99, d_model=32, num_layers=1, num_heads=4, d_ff=24,
-                     position="rope", norm="rms", gated_mlp=True, activation="silu",
-                     use_bias=False, num_experts=4, experts_per_token=2)
+                     position="rope", norm={"kind": "rms"},
+                     mlp={"activation": "silu", "gated": True}, use_bias=False,
+                     moe={"num_experts": 4, "experts_per_token": 2})
 
 
 @pytest.mark.parametrize("changes, match", [
-    (dict(num_experts=0), "num_experts"),
-    (dict(moe_every=2, num_layers=2), "moe_every"),
-    (dict(capacity_factor=1.25), "capacity_factor"),
-    (dict(router_policy="gshard"), "router_policy"),
-    (dict(experts_per_token=1), "experts_per_token"),
+    (dict(moe=None), "needs experts"),
+    (dict(moe={"every": 2}, num_layers=2), r"moe\.every"),
+    (dict(moe={"capacity_factor": 1.25}), r"moe\.capacity_factor"),
+    (dict(moe={"policy": "gshard"}), r"moe\.policy"),
+    (dict(moe={"experts_per_token": 1}), r"moe\.experts_per_token"),
     (dict(use_bias=True), "use_bias"),
-    (dict(activation="gelu"), "activation"),
+    (dict(mlp={"activation": "gelu"}), r"mlp\.activation"),
 ])
 def test_configs_mixtral_cannot_express_raise(changes, match):
     with pytest.raises(ValueError, match=match):
@@ -158,7 +161,7 @@ def test_configs_mixtral_cannot_express_raise(changes, match):
 @pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "MistralForCausalLM",
                                           "GPT2LMHeadModel"])
 def test_dense_families_refuse_experts(tmp_path, architecture):
-    with pytest.raises(ValueError, match="num_experts"):
+    with pytest.raises(ValueError, match="cannot express num_experts=4"):
         tfx.hf.save(create(_TFX), tmp_path / "out", architecture=architecture)
     assert not (tmp_path / "out").exists()
 

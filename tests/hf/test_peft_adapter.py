@@ -66,7 +66,7 @@ def _ids(batch=2, seed=0):
                  marks=pytest.mark.slow),  # stacked layers compile their own scan: ~10 s
 ], ids=["all-targets", "scan-rslora"])
 def test_peft_model_matches_tfx_lora(tmp_path, scan_layers, lora):
-    model = _with_lora(_llama().replace(scan_layers=scan_layers), lora)
+    model = _with_lora(_llama().replace(compute={"scan_layers": scan_layers}), lora)
     base, adapter = _export(model, tmp_path, LLAMA)
     hf = transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation="eager")
     peft_model = peft.PeftModel.from_pretrained(hf, adapter).eval()
@@ -142,7 +142,7 @@ def test_errors(tmp_path):
     tied = _with_lora(_llama(tie_word_embeddings=True), LoRA(rank=2, targets=("tokens",)))
     with pytest.raises(ValueError, match="tied token embeddings"):
         save_peft_adapter(tied, tmp_path, architecture=LLAMA)
-    moe = _llama().replace(num_experts=4)
+    moe = _llama().replace(moe={"num_experts": 4})
     routed = _with_lora(moe, LoRA(rank=2, targets=("query", "router")))
     with pytest.raises(ValueError, match="mlp/router have no MixtralForCausalLM module"):
         save_peft_adapter(routed, tmp_path, architecture="MixtralForCausalLM")

@@ -99,7 +99,7 @@ def test_strict_false_fills_missing_layers_of_a_scanned_model(tmp_path):
     folder, saved = _saved(tmp_path / "ckpt")
     _edit_config(folder, n_layer=3)
     with pytest.warns(UserWarning, match="missing"):
-        scanned = hf.load(folder, strict=False, scan_layers=True)
+        scanned = hf.load(folder, strict=False, compute={"scan_layers": True})
     fresh = io.flat_params(create(scanned.config))
     theirs = io.flat_params(saved)
     for path, value in io.flat_params(scanned).items():

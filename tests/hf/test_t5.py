@@ -96,7 +96,7 @@ def test_logits_match_torch(loaded):
     assert logits.dtype == np.float32 and logits.shape == (2, 9, 99)
     np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-5)
     tied = hf_model.config.scale_decoder_outputs
-    assert model.config.tie_embeddings is tied and model.config.scale_tied_head is tied
+    assert model.config.embeddings.tie is tied and model.config.scale_tied_head is tied
     assert model.config.decoder_layers == 3 and model.config.num_layers == 2
 
 
@@ -169,12 +169,13 @@ def test_legacy_configs_pick_the_head():
     base = dict(vocab_size=99, d_model=32, num_heads=4, d_kv=8, num_layers=2)
     flan = t5.config_from_hf({**base, "tie_word_embeddings": False,
                               "feed_forward_proj": "gated-gelu"}, ARCH)
-    assert not flan.tie_embeddings and flan.activation == "gelu_tanh" and flan.gated_mlp
+    assert not flan.embeddings.tie and flan.mlp.activation == "gelu_tanh" and flan.mlp.gated
     original = t5.config_from_hf(base, ARCH)
-    assert original.tie_embeddings and original.scale_tied_head and original.activation == "relu"
+    assert original.embeddings.tie and original.scale_tied_head
+    assert original.mlp.activation == "relu"
     resaved = t5.config_from_hf({**base, "tie_word_embeddings": True,
                                  "scale_decoder_outputs": False}, ARCH)
-    assert not resaved.tie_embeddings and not resaved.scale_tied_head
+    assert not resaved.embeddings.tie and not resaved.scale_tied_head
 
 
 def test_config_to_hf_refuses_non_t5_models():
@@ -183,7 +184,7 @@ def test_config_to_hf_refuses_non_t5_models():
     with pytest.raises(ValueError, match="position"):
         t5.config_to_hf(config.replace(position="rope"), ARCH)
     with pytest.raises(ValueError, match="num_kv_heads"):
-        t5.config_to_hf(config.replace(num_kv_heads=2), ARCH)
+        t5.config_to_hf(config.replace(attention={"num_kv_heads": 2}), ARCH)
 
 
 def test_missing_and_unexpected_tensors_are_named(loaded, tmp_path):
@@ -223,4 +224,4 @@ def test_saved_config_is_plain_t5(loaded, tmp_path):
     tfx.hf.save(model, tmp_path, architecture=ARCH)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["d_kv"] == 12 and saved["num_decoder_layers"] == 3
-    assert saved["feed_forward_proj"] == ("relu" if model.config.tie_embeddings else "gated-gelu")
+    assert saved["feed_forward_proj"] == ("relu" if model.config.embeddings.tie else "gated-gelu")

@@ -16,8 +16,8 @@ POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "t5", "none")
 
 
 def _decoder(**overrides):
-    config = DecoderConfig(**(dict(vocab_size=40, d_model=32, num_layers=2, num_heads=4,
-                                   num_kv_heads=2, d_ff=48, max_len=32) | overrides))
+    config = DecoderConfig(vocab_size=40, d_model=32, num_layers=2, num_heads=4,
+                           attention={"num_kv_heads": 2}, d_ff=48, max_len=32).replace(**overrides)
     return Decoder(config, rngs=nnx.Rngs(0))
 
 
@@ -53,7 +53,8 @@ CASES = [(p, w, False) for p in POSITIONS for w in (None, 4)] + [("rope", 4, Tru
 
 @pytest.mark.parametrize(("position", "window", "scan"), CASES)
 def test_cached_logits_equal_full_sequence(position, window, scan):
-    model = _decoder(position=position, sliding_window=window, scan_layers=scan)
+    model = _decoder(position=position, attention={"sliding_window": window},
+                     compute={"scan_layers": scan})
     ids = _ids()
     got, cache = _cached_logits(model, ids)
     chex.assert_trees_all_close(got, nnx.jit(lambda m, x: m(x))(model, ids), atol=2e-5)
@@ -64,7 +65,7 @@ def test_cached_logits_equal_full_sequence(position, window, scan):
 
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padded_batch_equals_each_sequence_alone(side):
-    model = _decoder(position="rope", sliding_window=5)
+    model = _decoder(position="rope", attention={"sliding_window": 5})
     ids = _ids(batch=3)
     lengths = [SEQ, SEQ - 4, SEQ - 2]
     mask = np.zeros((3, SEQ), bool)
@@ -92,7 +93,7 @@ def test_cache_rejects_positions_and_xl():
 def test_encoder_decoder_cached_decoding(position, scan):
     config = EncoderDecoderConfig(vocab_size=40, d_model=32, num_layers=2, num_heads=4, d_ff=48,
                                   max_len=32, position=position, num_decoder_layers=3,
-                                  scan_layers=scan)
+                                  compute={"scan_layers": scan})
     model = EncoderDecoder(config, rngs=nnx.Rngs(0))
     source, target = _ids(seq=9), _ids(seq=7, seed=2)
     source_mask = jnp.array([[1] * 9, [1] * 6 + [0] * 3])
@@ -111,7 +112,7 @@ def test_encoder_decoder_cached_decoding(position, scan):
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 def test_transformer_xl_memory_covering_the_sequence_equals_full(scan):
     """With memory for every earlier token, segment recurrence is plain causal attention."""
-    model = _decoder(position="xl", scan_layers=scan, num_kv_heads=None)
+    model = _decoder(position="xl", compute={"scan_layers": scan}, attention={"num_kv_heads": None})
     ids = _ids()
     got, memory = _cached_logits(model, ids, max_len=SEQ)
     chex.assert_trees_all_close(got, nnx.jit(lambda m, x: m(x))(model, ids), atol=2e-5)
@@ -120,7 +121,7 @@ def test_transformer_xl_memory_covering_the_sequence_equals_full(scan):
 
 
 def test_transformer_xl_memory_is_truncated_and_carries_no_gradient():
-    model = _decoder(position="xl", num_kv_heads=None)
+    model = _decoder(position="xl", attention={"num_kv_heads": None})
     ids = _ids(seq=8)
     memory = model.init_cache(2, 3)
     _, memory = model(ids[:, :4], cache=memory)

@@ -46,10 +46,11 @@ def _padding() -> jax.Array:
 
 def _preset(name: str, **changes):
     config = PRESETS[name]
-    small = {**SMALL, **({"num_kv_heads": 2} if config.num_kv_heads else {})}
-    if config.num_experts:
-        small["moe_d_ff"] = 24
-    return create(config.replace(**small, **changes), rngs=nnx.Rngs(0))
+    if config.attention.num_kv_heads:
+        changes["attention"] = {"num_kv_heads": 2, **changes.get("attention", {})}
+    if config.moe is not None:
+        changes["moe"] = {"d_ff": 24, **changes.get("moe", {})}
+    return create(config.replace(**SMALL, **changes), rngs=nnx.Rngs(0))
 
 
 def _decode(model) -> jax.Array:
@@ -109,19 +110,23 @@ CASES = {
     "sinusoidal-decoder": (lambda: _preset("gpt2-small", position="sinusoidal"),
                            _decoder_logits),
     "nope": (lambda: _preset("char-gpt", position="none"), _decoder_logits),
-    "rope-interleaved-partial": (lambda: _preset("char-gpt", rope_layout="interleaved",
-                                                 rope_fraction=0.5), _decoder_logits),
-    "sliding-window": (lambda: _preset("llama-tiny", sliding_window=3), _decoder_logits),
-    "attention-pattern": (lambda: _preset("char-gpt", attention_pattern="window:2|global:1"),
+    "rope-interleaved-partial": (
+        lambda: _preset("char-gpt", rope={"layout": "interleaved", "fraction": 0.5}),
+        _decoder_logits),
+    "sliding-window": (lambda: _preset("llama-tiny", attention={"sliding_window": 3}),
+                       _decoder_logits),
+    "attention-pattern": (lambda: _preset("char-gpt", attention={"pattern": "window:2|global:1"}),
                           _decoder_logits),
-    "blocked-kernel": (lambda: _preset("char-gpt", implementation="blocked"), _decoder_logits),
-    "scan-layers": (lambda: _preset("llama-tiny", scan_layers=True), _decoder_logits),
-    "moe-deepseek": (lambda: _preset("char-moe", router_policy="deepseek",
-                                     moe_shared_experts=1), _decoder_logits),
+    "blocked-kernel": (lambda: _preset("char-gpt", attention={"implementation": "blocked"}),
+                       _decoder_logits),
+    "scan-layers": (lambda: _preset("llama-tiny", compute={"scan_layers": True}),
+                    _decoder_logits),
+    "moe-deepseek": (lambda: _preset("char-moe", moe={"policy": "deepseek", "shared_experts": 1}),
+                     _decoder_logits),
     # Caches.
     "kv-cache": (lambda: _preset("llama-tiny"), _decode),
-    "kv-cache-scan": (lambda: _preset("char-gpt", scan_layers=True), _decode),
-    "ring-cache": (lambda: _preset("llama-tiny", sliding_window=3), _decode),
+    "kv-cache-scan": (lambda: _preset("char-gpt", compute={"scan_layers": True}), _decode),
+    "ring-cache": (lambda: _preset("llama-tiny", attention={"sliding_window": 3}), _decode),
     "alibi-cache": (lambda: _preset("gpt2-small", position="alibi"), _decode),
     "xl-memory": (lambda: _preset("char-gpt", position="xl"), _xl_segments),
     "t5-cache": (lambda: _preset("t5-small"), _seq2seq_decode),

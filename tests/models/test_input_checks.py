@@ -124,7 +124,7 @@ def test_a_cache_larger_than_the_learned_table_stops_at_the_table(decoder):
 
 
 def test_a_ring_buffer_has_no_limit():
-    config = DecoderConfig(**{**TINY, "position": "rope", "sliding_window": 3})
+    config = DecoderConfig(**TINY, position="rope", attention={"sliding_window": 3})
     model = Decoder(config, rngs=nnx.Rngs(0))
     cache = model.init_cache(1, MAX_LEN)  # a ring of 3 slots
     for _ in range(5):  # 10 tokens: past the 3 slots and past max_len

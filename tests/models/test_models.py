@@ -17,8 +17,8 @@ SMALL = dict(num_layers=2, d_model=32, num_heads=4, d_ff=64, vocab_size=97)
 
 def _small(name):
     overrides = dict(SMALL)
-    if PRESETS[name].num_kv_heads:
-        overrides["num_kv_heads"] = 2
+    if PRESETS[name].attention.num_kv_heads:
+        overrides["attention"] = {"num_kv_heads": 2}
     return create(name, rngs=nnx.Rngs(0), dropout=0.0, **overrides)
 
 
@@ -66,8 +66,8 @@ def test_decoder_is_causal():
 
 
 def test_sliding_window_limits_how_far_back_a_token_sees():
-    config = PRESETS["llama-tiny"].replace(**SMALL, num_kv_heads=2)
-    model = Decoder(DecoderConfig(**{**vars(config), "sliding_window": 3}), rngs=nnx.Rngs(0))
+    config = PRESETS["llama-tiny"].replace(**SMALL, attention={"num_kv_heads": 2})
+    model = Decoder(config.replace(attention={"sliding_window": 3}), rngs=nnx.Rngs(0))
     ids = jax.random.randint(jax.random.key(2), (1, 12), 0, 97)
     changed = ids.at[0, 2].set((ids[0, 2] + 1) % 97)
     diff = jnp.max(jnp.abs(model(ids) - model(changed)), axis=-1)[0]
@@ -96,7 +96,7 @@ def test_one_hot_embedding_equals_gather():
 def test_scaled_embeddings_are_the_table_times_sqrt_d_model_plus_sinusoids():
     # Vaswani et al. 2017, 3.4: embeddings multiplied by sqrt(d_model), then sinusoids added.
     config = DecoderConfig(vocab_size=40, d_model=16, num_layers=1, num_heads=2, d_ff=32,
-                           position="sinusoidal", scale_embeddings=True)
+                           position="sinusoidal", embeddings={"scale": True})
     model = Decoder(config, rngs=nnx.Rngs(0))
     ids = jnp.array([[3, 0, 39, 3, 7]])
     position = np.arange(5)[:, None]
@@ -106,8 +106,8 @@ def test_scaled_embeddings_are_the_table_times_sqrt_d_model_plus_sinusoids():
     table = np.asarray(model.embeddings.tokens.table[...])
     chex.assert_trees_all_close(model.embeddings(ids, jnp.arange(5))[0],
                                 table[ids[0]] * 4.0 + sinusoids, atol=1e-5)
-    with pytest.raises(TypeError, match="scale_embeddings must be a bool"):
-        config.replace(scale_embeddings=1)
+    with pytest.raises(TypeError, match=r"embeddings\.scale must be a bool"):
+        config.replace(embeddings={"scale": 1})
 
 
 @pytest.mark.parametrize("activation,gated,reference", [
@@ -131,7 +131,7 @@ def test_mlp_matches_written_out(activation, gated, reference):
 
 
 def test_bfloat16_compute_runs_on_cpu():
-    model = create("char-gpt", rngs=nnx.Rngs(0), num_layers=1, dtype="bfloat16")
+    model = create("char-gpt", rngs=nnx.Rngs(0), num_layers=1, compute={"dtype": "bfloat16"})
     logits = model(jnp.ones((1, 8), jnp.int32))
     assert logits.dtype == jnp.float32
     assert model.embeddings.tokens.table[...].dtype == jnp.float32
@@ -139,7 +139,7 @@ def test_bfloat16_compute_runs_on_cpu():
 
 def test_remat_gives_the_same_gradients():
     plain = create("char-gpt", rngs=nnx.Rngs(0), num_layers=2)
-    remat = create("char-gpt", rngs=nnx.Rngs(0), num_layers=2, remat=True)
+    remat = create("char-gpt", rngs=nnx.Rngs(0), num_layers=2, compute={"remat": True})
     ids = jnp.arange(16)[None] % 256
 
     def loss(model):
@@ -149,16 +149,25 @@ def test_remat_gives_the_same_gradients():
 
 
 @pytest.mark.parametrize("overrides,error,match", [
-    ({"num_kv_heads": 3}, ValueError, r"num_kv_heads \(3\) must divide num_heads \(4\)"),
+    ({"attention": {"num_kv_heads": 3}}, ValueError,
+     r"attention.num_kv_heads \(3\) must divide num_heads \(4\)"),
     ({"d_model": 30}, ValueError, r"d_model \(30\) must be divisible by num_heads \(4\)"),
     ({"position": "xpos"}, ValueError, "position must be one of"),
-    ({"activation": "swish"}, ValueError, "activation must be one of"),
-    ({"norm": "batch"}, ValueError, "norm must be one of"),
+    ({"mlp": {"activation": "swish"}}, ValueError, "mlp.activation must be one of"),
+    ({"norm": {"kind": "batch"}}, ValueError, "norm.kind must be one of"),
+    ({"norm": {"eps": 0.0}}, ValueError, "norm.eps must be > 0"),
     ({"num_layers": 0}, ValueError, "num_layers must be >= 1"),
     ({"d_ff": 64.0}, TypeError, "d_ff must be an int"),
     ({"dropout": 1.0}, ValueError, r"dropout must be in \[0, 1\)"),
-    ({"sliding_window": 0}, ValueError, "sliding_window must be >= 1"),
-    ({"implementation": "flash"}, ValueError, "implementation must be one of"),
+    ({"attention": {"sliding_window": 0}}, ValueError, "attention.sliding_window must be >= 1"),
+    ({"attention": {"implementation": "flash"}}, ValueError,
+     "attention.implementation must be one of"),
+    ({"rope": {"fraction": 0.0}}, ValueError, r"rope.fraction must be in \(0, 1\]"),
+    ({"rope": {"layout": "zigzag"}}, ValueError, "rope.layout must be one of"),
+    ({"compute": {"dtype": "int8"}}, ValueError, "compute.dtype must be one of"),
+    ({"embeddings": {"scale": 1}}, TypeError, "embeddings.scale must be a bool"),
+    ({"position": "learned", "rope": {}}, ValueError, "rope holds the settings of"),
+    ({"norm": "rms"}, TypeError, "norm must be a NormConfig"),
 ])
 def test_bad_config(overrides, error, match):
     with pytest.raises(error, match=match):
@@ -183,10 +192,10 @@ def test_scanned_layers_compute_what_the_layer_list_computes(name):
     from tfx.hf.io import assign_params, flat_params, stack_layers
 
     overrides = {**SMALL, "num_layers": 3, "dropout": 0.0}
-    if PRESETS[name].num_kv_heads:
-        overrides["num_kv_heads"] = 2
+    if PRESETS[name].attention.num_kv_heads:
+        overrides["attention"] = {"num_kv_heads": 2}
     listed = create(name, rngs=nnx.Rngs(0), **overrides)
-    scanned = create(name, rngs=nnx.Rngs(1), scan_layers=True, **overrides)
+    scanned = create(name, rngs=nnx.Rngs(1), compute={"scan_layers": True}, **overrides)
     assign_params(scanned, stack_layers(flat_params(listed)), source="test")
     ids = jax.random.randint(jax.random.key(5), (2, 7), 0, 97)
 
@@ -211,7 +220,7 @@ def test_token_types_from_separators():
 
 def test_scanned_model_trains_functionally_with_the_rest_of_the_state_closed_over():
     """The usual training-step pattern: only parameters are traced arguments."""
-    model = create("char-gpt", rngs=nnx.Rngs(0), num_layers=2, scan_layers=True)
+    model = create("char-gpt", rngs=nnx.Rngs(0), num_layers=2, compute={"scan_layers": True})
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     @jax.jit

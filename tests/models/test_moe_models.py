@@ -16,11 +16,12 @@ from tfx.nn.mlp import MLP
 from tfx.nn.moe import MoE
 
 BASE = dict(vocab_size=40, d_model=16, num_layers=2, num_heads=2, d_ff=24, max_len=32,
-            position="rope", norm="rms", use_bias=False, activation="silu", gated_mlp=True)
+            position="rope", norm={"kind": "rms"}, use_bias=False,
+            mlp={"activation": "silu", "gated": True})
 
 
 def _model(**overrides):
-    return Decoder(DecoderConfig(**(BASE | overrides)), rngs=nnx.Rngs(0))
+    return Decoder(DecoderConfig(**BASE).replace(**overrides), rngs=nnx.Rngs(0))
 
 
 def _ids(batch=2, seq=10, seed=1):
@@ -29,7 +30,7 @@ def _ids(batch=2, seq=10, seed=1):
 
 def test_one_expert_moe_is_the_dense_gated_mlp():
     # E = k = 1: the router's softmax over one expert is 1, so the block is that expert's MLP.
-    dense, sparse = _model(), _model(num_experts=1, experts_per_token=1)
+    dense, sparse = _model(), _model(moe={"num_experts": 1, "experts_per_token": 1})
     weights = dict(nnx.to_flat_state(nnx.state(sparse, nnx.Param)))
     for path, variable in nnx.to_flat_state(nnx.state(dense, nnx.Param)):
         if path[3:4] == ("mlp",):  # stack/layers/i/mlp/<gate|up|down>/kernel <- expert 0
@@ -40,16 +41,17 @@ def test_one_expert_moe_is_the_dense_gated_mlp():
 
 
 def test_moe_every_places_the_experts():
-    model = _model(num_layers=4, num_experts=4, moe_every=2)
+    model = _model(num_layers=4, moe={"num_experts": 4, "every": 2})
     kinds = [type(layer.mlp) for layer in model.stack.layers]
     assert kinds == [MLP, MoE, MLP, MoE]
     assert model.stack.layers[1].mlp.experts.up.shape == (4, 16, 24)
-    assert _model(num_experts=4, moe_d_ff=8).stack.layers[0].mlp.experts.down.shape == (4, 8, 16)
+    narrow = _model(moe={"num_experts": 4, "d_ff": 8})
+    assert narrow.stack.layers[0].mlp.experts.down.shape == (4, 8, 16)
 
 
 def test_scanned_layers_equal_unrolled_layers():
-    unrolled = _model(num_experts=4, experts_per_token=2)
-    scanned = _model(num_experts=4, experts_per_token=2, scan_layers=True)
+    unrolled = _model(moe={"num_experts": 4, "experts_per_token": 2})
+    scanned = _model(moe={"num_experts": 4, "experts_per_token": 2}, compute={"scan_layers": True})
     params = nnx.state(unrolled, nnx.Param)
     layers = [params["stack"]["layers"][i] for i in range(2)]
     stacked = nnx.state(scanned, nnx.Param)
@@ -64,13 +66,12 @@ def test_scanned_layers_equal_unrolled_layers():
 
 
 def test_losses_are_recorded_in_train_mode_and_reach_the_router():
-    model = _model(num_experts=4, experts_per_token=2, load_balancing_weight=1.0,
-                   router_z_weight=0.5)
+    model = _model(moe={"num_experts": 4, "experts_per_token": 2})
     model.train()
 
     def objective(model):
         model(_ids())
-        return aux_loss(model)
+        return aux_loss(model, load_balancing_weight=1.0, router_z_weight=0.5)
 
     loss, grads = nnx.value_and_grad(objective)(model)
     losses = moe_losses(model)
@@ -84,8 +85,8 @@ def test_losses_are_recorded_in_train_mode_and_reach_the_router():
 
 
 def test_eval_mode_records_nothing_and_is_deterministic():
-    model = _model(num_experts=4, experts_per_token=2, router_jitter=0.5,
-                   router_policy="gshard")
+    model = _model(moe={"num_experts": 4, "experts_per_token": 2, "jitter": 0.5,
+                        "policy": "gshard"})
     model.eval()
     first = model(_ids())
     np.testing.assert_array_equal(model(_ids()), first)
@@ -96,13 +97,13 @@ def test_eval_mode_records_nothing_and_is_deterministic():
 
 
 def test_train_mode_noise_changes_with_the_stream():
-    model = _model(num_experts=4, experts_per_token=1, router_jitter=0.9)
+    model = _model(moe={"num_experts": 4, "experts_per_token": 1, "jitter": 0.9})
     model.train()
     assert not np.allclose(model(_ids()), model(_ids()))
 
 
 def test_cached_decoding_equals_the_full_forward():
-    model = _model(num_experts=4, experts_per_token=2)
+    model = _model(moe={"num_experts": 4, "experts_per_token": 2})
     model.eval()
     ids = _ids(seq=8)
     full = model(ids)
@@ -121,7 +122,8 @@ def test_cached_decoding_equals_the_full_forward():
 def test_padding_routes_nowhere(capacity_factor):
     # Left padding queues first: without the mask it would take capacity from real tokens and
     # count in the losses. With it, what the padding holds changes nothing at real positions.
-    model = _model(num_experts=4, experts_per_token=2, capacity_factor=capacity_factor)
+    model = _model(moe={"num_experts": 4, "experts_per_token": 2,
+                        "capacity_factor": capacity_factor})
     model.train()
     mask = jnp.ones((2, 10), bool).at[0, :4].set(False)
     ids = _ids()
@@ -134,7 +136,7 @@ def test_padding_routes_nowhere(capacity_factor):
 
 
 def test_shared_experts_add_a_dense_mlp():
-    model = _model(num_experts=4, experts_per_token=2, moe_shared_experts=2)
+    model = _model(moe={"num_experts": 4, "experts_per_token": 2, "shared_experts": 2})
     block = model.stack.layers[0].mlp
     assert block.shared.up.kernel.shape == (16, 48)  # 2 shared experts of width d_ff = 24
     x = jax.random.normal(jax.random.key(0), (2, 5, 16))
@@ -146,19 +148,18 @@ def test_shared_experts_add_a_dense_mlp():
 
 
 @pytest.mark.parametrize("overrides, field", [
-    (dict(num_experts=-1), "num_experts"),
-    (dict(num_experts=2, experts_per_token=3), "experts_per_token"),
-    (dict(num_experts=4, capacity_factor=0.0), "capacity_factor"),
-    (dict(num_experts=4, router_policy="switch"), "router_policy"),
-    (dict(num_experts=4, experts_per_token=1, router_policy="gshard"), "experts_per_token"),
-    (dict(num_experts=4, router_jitter=1.0), "router_jitter"),
-    (dict(num_experts=4, moe_dispatch="dense"), "moe_dispatch"),
-    (dict(num_experts=4, moe_every=2, scan_layers=True), "moe_every"),
-    (dict(num_experts=4, moe_d_ff=0), "moe_d_ff"),
-    (dict(num_experts=4, load_balancing_weight=-0.1), "load_balancing_weight"),
-    (dict(num_experts=4, moe_shared_experts=-1), "moe_shared_experts"),
-    (dict(num_experts=4, router_bias_rate=-1.0), "router_bias_rate"),
+    (dict(moe={"num_experts": 0}), r"moe\.num_experts must be >= 1"),
+    (dict(moe={"num_experts": 2, "experts_per_token": 3}), r"moe\.experts_per_token"),
+    (dict(moe={"num_experts": 4, "capacity_factor": 0.0}), r"moe\.capacity_factor"),
+    (dict(moe={"num_experts": 4, "policy": "switch"}), r"moe\.policy"),
+    (dict(moe={"num_experts": 4, "experts_per_token": 1, "policy": "gshard"}),
+     r"moe\.experts_per_token"),
+    (dict(moe={"num_experts": 4, "jitter": 1.0}), r"moe\.jitter"),
+    (dict(moe={"num_experts": 4, "dispatch": "dense"}), r"moe\.dispatch"),
+    (dict(moe={"num_experts": 4, "every": 2}, compute={"scan_layers": True}), r"moe\.every=1"),
+    (dict(moe={"num_experts": 4, "d_ff": 0}), r"moe\.d_ff"),
+    (dict(moe={"num_experts": 4, "shared_experts": -1}), r"moe\.shared_experts"),
 ])
 def test_bad_moe_settings(overrides, field):
     with pytest.raises(ValueError, match=field):
-        DecoderConfig(**(BASE | overrides))
+        DecoderConfig(**BASE).replace(**overrides)

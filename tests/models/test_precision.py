@@ -13,8 +13,9 @@ from tfx.models.block import dtypes
 from tfx.models.config import compute_dtype
 
 TINY = DecoderConfig(vocab_size=64, d_model=32, num_layers=1, num_heads=4, d_ff=64, max_len=32,
-                     position="rope", norm="rms", activation="silu", gated_mlp=True)
-TINY_MOE = TINY.replace(num_experts=4, experts_per_token=2)
+                     position="rope", norm={"kind": "rms"},
+                     mlp={"activation": "silu", "gated": True})
+TINY_MOE = TINY.replace(moe={"num_experts": 4, "experts_per_token": 2})
 
 
 @pytest.mark.parametrize("config_dtype, platform, expected", [
@@ -43,8 +44,8 @@ def test_model_dtypes_follow_the_platform_and_keep_float32_params(platform, expe
     assert kinds["param_dtype"] == jnp.float32
     assert kinds["dtype"] is None if expected is None else kinds["dtype"] == jnp.dtype(expected)
     # An explicit dtype is kept on every platform; stored configs with None are unchanged.
-    assert dtypes(TINY.replace(dtype="float32"), platform)["dtype"] == jnp.float32
-    assert TINY.dtype is None
+    assert dtypes(TINY.replace(compute={"dtype": "float32"}), platform)["dtype"] == jnp.float32
+    assert TINY.compute.dtype is None
 
 
 def test_cpu_default_is_unchanged():
@@ -82,7 +83,8 @@ def _equations(jaxpr):
 
 
 def _forward_jaxpr(config, implementation):
-    model = create(config.replace(dtype="bfloat16", implementation=implementation),
+    model = create(config.replace(compute={"dtype": "bfloat16"},
+                                  attention={"implementation": implementation}),
                    rngs=nnx.Rngs(0))
     model.eval()
     graphdef, state = nnx.split(model)
@@ -104,7 +106,7 @@ def test_bfloat16_attention_softmax_statistics_are_float32(implementation):
 
 def test_bfloat16_router_logits_and_probabilities_are_float32():
     eqns = list(_equations(_forward_jaxpr(TINY_MOE, "reference")))
-    experts = TINY_MOE.num_experts
+    experts = TINY_MOE.moe.num_experts
     router = [e for e in eqns if e.primitive.name == "dot_general"
               and e.outvars[0].aval.shape[-1] == experts]
     assert router, "no router product found"

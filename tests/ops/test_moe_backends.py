@@ -141,6 +141,7 @@ def test_unknown_implementation_raises():
 
 
 def test_config_dispatch_defaults_to_the_platform():
-    small = dict(vocab_size=8, d_model=8, num_layers=1, num_heads=2, d_ff=8, num_experts=2)
-    assert TransformerConfig(**small).moe_dispatch is None
-    assert TransformerConfig(**small, moe_dispatch="megablox").moe_dispatch == "megablox"
+    small = dict(vocab_size=8, d_model=8, num_layers=1, num_heads=2, d_ff=8)
+    assert TransformerConfig(**small, moe={"num_experts": 2}).moe.dispatch is None
+    moe = {"num_experts": 2, "dispatch": "megablox"}
+    assert TransformerConfig(**small, moe=moe).moe.dispatch == "megablox"

@@ -15,13 +15,12 @@ from tfx.train.objectives import causal_lm
 from tfx.train.optim import make_optimizer
 from tfx.train.step import init_train_state, make_train_step
 
-MODEL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128)
+MODEL = dict(num_layers=2, d_model=64, num_heads=4, attention={"num_kv_heads": 2}, d_ff=128)
 # The same with 4 experts (top-2) in every layer. Each device of an expert-parallel mesh routes
-# its own tokens, so the load-balancing loss is a mean over groups there: weight 0 here, so that
-# the runs compute the same thing (the layer itself is compared with losses in
+# its own tokens, so the load-balancing loss is a mean over groups there: weight 0 in `train`,
+# so that the runs compute the same thing (the layer itself is compared with losses in
 # test_expert_parallel.py).
-MOE_MODEL = dict(MODEL, num_experts=4, experts_per_token=2, moe_d_ff=64,
-                 load_balancing_weight=0.0)
+MOE_MODEL = dict(MODEL, moe={"num_experts": 4, "experts_per_token": 2, "d_ff": 64})
 BATCH, SEQ, STEPS, LEARNING_RATE = 16, 32, 3, 1e-3
 
 
@@ -54,7 +53,7 @@ def train(mesh=None, *, grad_accum: int = 1, model: dict = MODEL) -> dict:
         shardings = state_shardings(state, mesh)
         state = shard(state, shardings)
     step = make_train_step(graphdef, rest, optimizer, causal_lm, grad_accum=grad_accum,
-                           state_sharding=shardings, mesh=mesh)
+                           state_sharding=shardings, mesh=mesh, load_balancing_weight=0.0)
     losses = []
     for tokens in batches():
         batch = {"tokens": tokens}

@@ -95,7 +95,7 @@ def test_an_expert_parallel_run_matches_one_device(tmp_path):
     # Each device routes its own tokens, so the load-balancing loss is a mean over groups
     # there: weight 0, so that both runs compute the same loss.
     corpus = write_corpus(tmp_path)
-    moe = ("--model.num_experts=4", "--model.moe_d_ff=32", "--model.load_balancing_weight=0.0",
+    moe = ("--model.moe.num_experts=4", "--model.moe.d_ff=32", "--train.load_balancing_weight=0.0",
            "--train.batch_size=8")
     _run_all([(_command(tmp_path / "one", corpus, *moe, experiment="moe_gpt"), _env()),
               (_command(tmp_path / "eight", corpus, *moe, "--mesh.data=2", "--mesh.expert=4",

@@ -25,14 +25,16 @@ SHRINK = dict(vocab_size=96, d_model=32, num_heads=4, d_ff=64, num_layers=2)
 # name -> (preset, config overrides beyond SHRINK, PEFT method attached or None)
 VARIANTS = {
     **{preset: (preset, {}, None) for preset in tfx.models.PRESETS},
-    **{preset + "+scan": (preset, {"scan_layers": True}, None) for preset in tfx.models.PRESETS},
-    "char-gpt+untied": ("char-gpt", {"tie_embeddings": False}, None),
-    "gpt2-small+untied+scan": ("gpt2-small", {"tie_embeddings": False, "scan_layers": True}, None),
-    "t5-small+untied": ("t5-small", {"tie_embeddings": False}, None),
+    **{preset + "+scan": (preset, {"compute": {"scan_layers": True}}, None)
+       for preset in tfx.models.PRESETS},
+    "char-gpt+untied": ("char-gpt", {"embeddings": {"tie": False}}, None),
+    "gpt2-small+untied+scan": ("gpt2-small", {"embeddings": {"tie": False},
+                                                "compute": {"scan_layers": True}}, None),
+    "t5-small+untied": ("t5-small", {"embeddings": {"tie": False}}, None),
     "char-gpt+xl": ("char-gpt", {"position": "xl"}, None),
-    "char-moe+shared+deepseek": ("char-moe", {"moe_shared_experts": 1,
-                                              "router_policy": "deepseek"}, None),
-    "llama-tiny+lora+scan": ("llama-tiny", {"scan_layers": True},
+    "char-moe+shared+deepseek": ("char-moe", {"moe": {"shared_experts": 1,
+                                                      "policy": "deepseek"}}, None),
+    "llama-tiny+lora+scan": ("llama-tiny", {"compute": {"scan_layers": True}},
                              tfx.peft.LoRA(rank=2, targets=("query", "value", "down"))),
     "char-gpt+lora": ("char-gpt", {}, tfx.peft.LoRA(rank=2, targets=("query", "up", "tokens"))),
     "char-gpt+prefix": ("char-gpt", {}, tfx.peft.Prefix(num_tokens=3, projection=8)),

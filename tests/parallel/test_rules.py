@@ -24,7 +24,7 @@ MESHES = (DATA8, FSDP8, FSDP2_TP4, DP2_FSDP2_TP2)
 # char-gpt, d_model 64, 4 heads of 16, 2 kv heads (key/value [64, 32]), d_ff 128, vocab 256:
 # every dim divides every mesh axis. Megatron: q/k/v and up/gate split their output dim over
 # tensor, out and down their input dim; FSDP splits the d_model dim; vectors replicated.
-CHAR_GPT = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128)
+CHAR_GPT = dict(num_layers=2, d_model=64, num_heads=4, attention={"num_kv_heads": 2}, d_ff=128)
 EXPECTED = {  # path suffix -> spec on DATA8, FSDP8, FSDP2_TP4, DP2_FSDP2_TP2
     "tokens/table": (P(), P(None, "fsdp"), P("tensor", "fsdp"), P("tensor", "fsdp")),
     "attention/query/kernel": (P(), P("fsdp"), P("fsdp", "tensor"), P("fsdp", "tensor")),
@@ -68,8 +68,8 @@ def test_char_gpt_specs(column, sizes):
 
 def test_dims_not_divisible_by_their_axes_stay_replicated():
     # vocab 250 and d_ff 90 are not multiples of tensor=4; key/value [36, 18] neither.
-    params = params_of(vocab_size=250, d_model=36, num_heads=4, num_kv_heads=2, d_ff=90,
-                       num_layers=1)
+    params = params_of(vocab_size=250, d_model=36, num_heads=4, attention={"num_kv_heads": 2},
+                       d_ff=90, num_layers=1)
     specs = named(param_specs(params, mesh(FSDP2_TP4)))
     layer = "stack/layers/0/"
     assert specs["embeddings/tokens/table"] == P(None, "fsdp")
@@ -84,7 +84,7 @@ def test_dims_not_divisible_by_their_axes_stay_replicated():
 
 def test_biases_untied_head_learned_positions_and_stacked_layers():
     params = params_of("gpt2-small", vocab_size=256, d_model=64, num_heads=4, d_ff=128,
-                       num_layers=2, tie_embeddings=False, scan_layers=True)
+                       num_layers=2, embeddings={"tie": False}, compute={"scan_layers": True})
     specs = named(param_specs(params, mesh(DP2_FSDP2_TP2)))
     layers = "stack/layers/"
     assert specs["head/kernel"] == P("fsdp", "tensor")  # [d_model, vocab]

@@ -21,8 +21,8 @@ from tfx.peft.adapters import Adapter, Adapters
 from tfx.peft.core import PeftParam
 
 VOCAB, D, LAYERS, B = 40, 32, 2, 4
-SMALL = dict(vocab_size=VOCAB, d_model=D, num_layers=LAYERS, num_heads=4, num_kv_heads=2,
-             d_ff=48, max_len=24)
+SMALL = dict(vocab_size=VOCAB, d_model=D, num_layers=LAYERS, num_heads=4,
+             attention={"num_kv_heads": 2}, d_ff=48, max_len=24)
 
 
 def _ids(batch=2, seq=6, seed=1):
@@ -45,7 +45,8 @@ def test_adapter_is_the_bottleneck_formula():
 
 @pytest.mark.parametrize("pre_norm, scan_layers", [(True, False), (False, False), (True, True)])
 def test_zero_up_projection_leaves_the_decoder_exactly_unchanged(pre_norm, scan_layers):
-    model = Decoder(DecoderConfig(pre_norm=pre_norm, scan_layers=scan_layers, **SMALL),
+    model = Decoder(DecoderConfig(norm={"pre_norm": pre_norm},
+                                  compute={"scan_layers": scan_layers}, **SMALL),
                     rngs=nnx.Rngs(0))
     forward = nnx.jit(lambda model, ids: model(ids))
     ids = _ids()
@@ -90,7 +91,7 @@ def test_an_adapter_changes_its_branch_before_the_residual():
 @pytest.mark.parametrize("placement, per_layer", [("houlsby", 2), ("pfeiffer", 1)])
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_trainable_count_is_the_formula(placement, per_layer, scan_layers):
-    model = Decoder(DecoderConfig(scan_layers=scan_layers, **SMALL), rngs=nnx.Rngs(0))
+    model = Decoder(DecoderConfig(compute={"scan_layers": scan_layers}, **SMALL), rngs=nnx.Rngs(0))
     Adapters(placement=placement, size=B).attach(model, rngs=nnx.Rngs(1))
     assert _trainable(model) == LAYERS * per_layer * (2 * D * B + B + D)
 
@@ -115,7 +116,7 @@ def test_encoder_decoder_cross_attention_adapters():
 
 
 def test_stacked_adapters_differ_per_layer():
-    model = Decoder(DecoderConfig(scan_layers=True, **SMALL), rngs=nnx.Rngs(0))
+    model = Decoder(DecoderConfig(compute={"scan_layers": True}, **SMALL), rngs=nnx.Rngs(0))
     Adapters(size=B).attach(model, rngs=nnx.Rngs(1))
     down = model.stack.layers.mlp_adapter.down[...]
     assert down.shape == (LAYERS, D, B)
@@ -124,7 +125,7 @@ def test_stacked_adapters_differ_per_layer():
 
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_only_adapters_get_gradients(scan_layers):
-    model = Decoder(DecoderConfig(scan_layers=scan_layers, **SMALL), rngs=nnx.Rngs(0))
+    model = Decoder(DecoderConfig(compute={"scan_layers": scan_layers}, **SMALL), rngs=nnx.Rngs(0))
     Adapters(size=B, zero_up=True).attach(model, rngs=nnx.Rngs(1))
     ids = _ids()
 

@@ -24,7 +24,7 @@ def _model(**changes):
 
 
 def test_adapters_on_rematerialised_layers_keep_both():
-    plain, remat = _model(), _model(remat=True)
+    plain, remat = _model(), _model(compute={"remat": True})
     for model in (plain, remat):
         peft.Adapters(size=4).attach(model, rngs=nnx.Rngs(1))
         peft.Prefix(num_tokens=2).attach(model, rngs=nnx.Rngs(2))

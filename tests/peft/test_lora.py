@@ -18,9 +18,10 @@ from tfx.peft import LoRA, PeftParam, lora
 from tfx.peft.lora_modules import LoRAEmbedding, LoRALinear
 
 # A LLaMA-style decoder with GQA (4 query heads, 2 KV heads) and an untied head.
-GQA = DecoderConfig(vocab_size=64, d_model=32, num_heads=4, num_kv_heads=2, d_ff=48,
-                    num_layers=2, max_len=64, position="rope", norm="rms", activation="silu",
-                    gated_mlp=True, use_bias=False, tie_embeddings=False)
+GQA = DecoderConfig(vocab_size=64, d_model=32, num_heads=4, attention={"num_kv_heads": 2}, d_ff=48,
+                    num_layers=2, max_len=64, position="rope", norm={"kind": "rms"},
+                    mlp={"activation": "silu", "gated": True}, use_bias=False,
+                    embeddings={"tie": False})
 IDS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 10)), jnp.int32)
 EVERYTHING = ("query", "key", "value", "out", "up", "gate", "down", "tokens", "head")
 
@@ -60,7 +61,7 @@ def test_embedding_lookup_and_tied_head_use_the_same_adapted_table():
 @pytest.mark.parametrize("init_style, scan_layers", [("peft", False), ("seed", False),
                                                      ("seed_normal", True)])
 def test_attach_leaves_the_output_unchanged(init_style, scan_layers):
-    model = create(GQA.replace(scan_layers=scan_layers), rngs=nnx.Rngs(0))
+    model = create(GQA.replace(compute={"scan_layers": scan_layers}), rngs=nnx.Rngs(0))
     before = model(IDS)
     LoRA(rank=4, targets=EVERYTHING, init_style=init_style).attach(model, rngs=nnx.Rngs(1))
     chex.assert_trees_all_equal(model(IDS), before)
@@ -68,7 +69,7 @@ def test_attach_leaves_the_output_unchanged(init_style, scan_layers):
 
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_merged_equals_unmerged_and_unmerge_restores_w(scan_layers):
-    model = create(GQA.replace(scan_layers=scan_layers), rngs=nnx.Rngs(0))
+    model = create(GQA.replace(compute={"scan_layers": scan_layers}), rngs=nnx.Rngs(0))
     original = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
     LoRA(rank=4, alpha=8.0, targets=EVERYTHING).attach(model, rngs=nnx.Rngs(1))
     model = _perturbed(model)

@@ -120,7 +120,7 @@ def _prefix_of(model, past):
     def first(layer_kv):  # [(layers,) batch, kv_heads, len, dim] -> [(layers,) G, kv_heads, dim]
         return jnp.swapaxes(layer_kv[..., 0, :, :G, :], -3, -2)
 
-    if model.config.scan_layers:
+    if model.config.compute.scan_layers:
         prefix = model.stack.layers.attention.prefix
         prefix.key[...], prefix.value[...] = first(past.key), first(past.value)
         return
@@ -133,10 +133,10 @@ def _prefix_of(model, past):
 def test_decoder_with_prefix_equals_decoder_continuing_the_prefix_tokens(scan_layers):
     """Keys/values of G real tokens (rotated by RoPE at positions 0..G-1) as the prefix, and the
     text at positions G.. : logits equal the plain model on [prefix tokens; text]."""
-    plain = _model(scan_layers=scan_layers)
+    plain = _model(compute={"scan_layers": scan_layers})
     tokens = jax.random.randint(jax.random.key(5), (1, G + 6), 0, 256)
     _, cache = _forward(plain, tokens[:, :G], cache=plain.init_cache(1, G))
-    prefixed = _model(Prefix(G), scan_layers=scan_layers)
+    prefixed = _model(Prefix(G), compute={"scan_layers": scan_layers})
     _prefix_of(prefixed, cache.layers)
     logits = _forward(prefixed, tokens[:, G:], position_ids=G + jnp.arange(6)[None])
     chex.assert_shape(logits, (1, 6, 256))
@@ -146,7 +146,8 @@ def test_decoder_with_prefix_equals_decoder_continuing_the_prefix_tokens(scan_la
 @pytest.mark.parametrize(("prefix", "overrides"), [
     (Prefix(G), {}),
     (Prefix(G, projection=8), dict(position="xl")),  # Transformer-XL memory as the cache
-    (Prefix(G), dict(sliding_window=4)),  # a ring-buffer cache shorter than the prompt
+    # A ring-buffer cache shorter than the prompt.
+    (Prefix(G), dict(attention={"sliding_window": 4})),
 ])
 def test_cached_decoding_and_generate_equal_full_recompute(prefix, overrides):
     model = _model(prefix, **overrides)
@@ -180,7 +181,7 @@ def _peft_gradients(model):
 
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_trainable_count_and_only_prefix_gets_gradients(scan_layers):
-    model = _model(Prefix(G), scan_layers=scan_layers)
+    model = _model(Prefix(G), compute={"scan_layers": scan_layers})
     peft, grads = _peft_gradients(model)
     # layers * 2 (key, value) * G * num_kv_heads * head_dim
     assert sum(x.size for x in jax.tree.leaves(peft)) == 2 * 2 * G * 2 * 8
@@ -230,4 +231,4 @@ def test_bad_input():
     with pytest.raises(ValueError, match="already have a prefix"):
         Prefix(2).attach(_model(Prefix(2)), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="scan_layers"):
-        Prefix(2, projection=4).attach(_model(scan_layers=True), rngs=nnx.Rngs(0))
+        Prefix(2, projection=4).attach(_model(compute={"scan_layers": True}), rngs=nnx.Rngs(0))

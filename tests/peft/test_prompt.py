@@ -22,8 +22,8 @@ from tfx.peft.core import PeftParam
 from tfx.peft.prompt import SoftPrompt
 
 G, VOCAB, D = 3, 40, 32
-SMALL = dict(vocab_size=VOCAB, d_model=D, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=48,
-             max_len=24)
+SMALL = dict(vocab_size=VOCAB, d_model=D, num_layers=2, num_heads=4,
+             attention={"num_kv_heads": 2}, d_ff=48, max_len=24)
 
 
 def _ids(batch=2, seq=6, seed=1):
@@ -72,7 +72,8 @@ def test_decoder_padding_columns_of_the_prompt_are_attended():
 
 
 def test_encoder_hidden_equals_the_layers_on_prompt_then_tokens():
-    config = EncoderConfig(pre_norm=False, **SMALL)  # BERT: the embedding norm covers the prompt
+    # BERT: the embedding norm covers the prompt.
+    config = EncoderConfig(norm={"pre_norm": False}, **SMALL)
     model = _prompted(Encoder(config, rngs=nnx.Rngs(0)))
 
     @nnx.jit
@@ -126,8 +127,8 @@ def _greedy_by_recomputation(model, ids, steps):
 
 @pytest.mark.parametrize("scan_layers", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_generate_equals_greedy_recomputation(scan_layers):
-    model = _prompted(Decoder(DecoderConfig(position="rope", scan_layers=scan_layers, **SMALL),
-                              rngs=nnx.Rngs(0)), init="vocab")
+    model = _prompted(Decoder(DecoderConfig(position="rope", compute={"scan_layers": scan_layers},
+                                            **SMALL), rngs=nnx.Rngs(0)), init="vocab")
     ids = _ids(seq=5)
     out = tfx.generate(model, ids, max_new_tokens=4, temperature=0.0, bucket=False)
     np.testing.assert_array_equal(out, _greedy_by_recomputation(model, ids, 4))

@@ -21,7 +21,7 @@ def test_stored_form_round_trips(name):
 def test_rope_scaling_objects_round_trip():
     e = get_experiment("gpt_char")
     scaled = dataclasses.replace(e, model=e.model.replace(
-        rope_scaling=YaRNScaling(factor=4.0, original_max_position_embeddings=256)))
+        rope={"scaling": YaRNScaling(factor=4.0, original_max_position_embeddings=256)}))
     assert experiment_from_dict(json.loads(json.dumps(scaled.to_dict()))) == scaled
 
 
@@ -34,14 +34,10 @@ def test_loop_settings_are_not_part_of_a_runs_identity():
     assert run_identity(longer) != run_identity(e)  # the schedule depends on steps
 
 
-@pytest.mark.parametrize(("field", "value"), [("attention_pattern", "window:8"),
-                                              ("scale_embeddings", True)])
-def test_model_fields_at_their_default_are_not_part_of_a_runs_identity(field, value):
-    # Runs stored before these fields existed keep their identity (and resume).
-    e = get_experiment("gpt_char")
-    assert field not in run_identity(e)["model"]
-    changed = dataclasses.replace(e, model=e.model.replace(**{field: value}))
-    assert run_identity(changed)["model"][field] == value
+def test_moe_training_settings_are_validated_in_the_training_config():
+    for name in ("load_balancing_weight", "router_z_weight", "router_bias_rate"):
+        with pytest.raises(ValueError, match=rf"train\.{name} must be >= 0"):
+            TrainConfig(**{name: -0.1})
 
 
 def test_every_position_has_an_equal_footing_experiment():
@@ -49,11 +45,11 @@ def test_every_position_has_an_equal_footing_experiment():
     assert {EXPERIMENTS[n].model.position for n in names} == {
         "learned", "sinusoidal", "rope", "alibi", "t5", "xl", "none"}
     # The same model but for the encoding (and the embedding scale sinusoids come with).
-    reference = dataclasses.replace(EXPERIMENTS[names[0]].model, position="rope")
+    reference = EXPERIMENTS[names[0]].model.replace(position="rope")
     for n in names:
         model = EXPERIMENTS[n].model
-        assert model.scale_embeddings == (model.position == "sinusoidal")
-        assert dataclasses.replace(model, position="rope", scale_embeddings=False) == reference
+        assert model.embeddings.scale == (model.position == "sinusoidal")
+        assert model.replace(position="rope", embeddings={"scale": False}) == reference
         assert EXPERIMENTS[n].train == EXPERIMENTS[names[0]].train
 
 

@@ -95,7 +95,7 @@ def test_other_objectives_train(tmp_path, corpus, name):
 def test_a_mixture_of_experts_trains_and_logs_its_routing_losses(tmp_path, corpus):
     experiment = tiny("moe_gpt", corpus, steps=4, eval_every=4, checkpoint_every=4)
     experiment = dataclasses.replace(experiment, model=experiment.model.replace(
-        router_jitter=0.1, capacity_factor=1.0))
+        moe={"jitter": 0.1, "capacity_factor": 1.0}))
     result = train(experiment, tmp_path, progress=False)
     assert result.step == 4 and np.isfinite(result.validation["loss"])
     train_records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["split"] == "train"]

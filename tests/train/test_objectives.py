@@ -39,16 +39,17 @@ def test_masked_lm_counts_only_chosen_real_tokens():
     model = _model("bert_mlm")
     c = model.config
     ids = np.random.default_rng(2).integers(0, 256, (4, 24)).astype(np.int32)
-    ids[:, 0], ids[:, 20], ids[:, 21:] = c.cls_token_id, c.sep_token_id, c.pad_token_id
-    mask = ids != c.pad_token_id
+    t = c.special_tokens
+    ids[:, 0], ids[:, 20], ids[:, 21:] = t.cls_id, t.sep_id, t.pad_id
+    mask = ids != t.pad_id
     batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask)}
     total, count, _ = masked_lm(model, batch, jax.random.key(3), mlm_probability=0.5)
     # Recompute with the same masking draw: the chosen positions are where the loss counts.
     from tfx.train.masking import mask_tokens
 
-    specials = tuple(sorted({c.pad_token_id, c.cls_token_id, c.sep_token_id, c.mask_token_id}))
+    specials = tuple(sorted({t.pad_id, t.cls_id, t.sep_id, t.mask_id}))
     inputs, chosen = mask_tokens(jax.random.key(3), batch["input_ids"],
-                                 mask_token_id=c.mask_token_id, vocab_size=c.vocab_size,
+                                 mask_token_id=c.special_tokens.mask_id, vocab_size=c.vocab_size,
                                  special_ids=specials, probability=0.5)
     chosen = np.asarray(chosen)
     assert not chosen[~mask].any() and not chosen[:, 0].any() and not chosen[:, 20].any()

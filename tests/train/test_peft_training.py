@@ -73,7 +73,7 @@ def test_cli_fine_tunes_with_space_separated_settings(base, capsys):
             "--peft", "lora", "--peft.rank", "2", "--peft.targets", "query", "key",
             "--steps", "2", "--data", str(folder / "corpus.txt"), "--no-progress",
             "--model.num_layers=1", "--model.d_model=32", "--model.num_heads=2",
-            "--model.num_kv_heads", "None", "--model.d_ff=64", "--train.seq_len=32",
+            "--model.attention.num_kv_heads", "None", "--model.d_ff=64", "--train.seq_len=32",
             "--train.batch_size=4", "--train.eval_batches=1"]
     assert main(args) == 0
     experiment = experiment_from_dict(json.loads(

@@ -100,7 +100,8 @@ def test_finish_eval_weights_batches_by_their_targets():
     assert out == pytest.approx({"loss": 7.0 / 4.0, "accuracy": 0.5})
 
 
-@pytest.mark.parametrize("changes", [dict(dtype="bfloat16"), dict(remat=True)])
+@pytest.mark.parametrize("changes", [dict(compute={"dtype": "bfloat16"}),
+                                     dict(compute={"remat": True})])
 def test_mixed_precision_and_remat_train_float32_weights(changes):
     _, reference, optimizer = _setup("gpt_char")
     _, model, _ = _setup("gpt_char", **changes)
@@ -112,14 +113,14 @@ def test_mixed_precision_and_remat_train_float32_weights(changes):
     (ref_state, ref_metrics), (state, metrics) = outcomes
     leaves = jax.tree.leaves((state.params, state.opt_state))
     assert all(x.dtype in (jnp.float32, jnp.int32) for x in leaves)  # master weights, moments
-    if changes.get("remat"):  # the same computation, recomputed in the backward pass
+    if changes["compute"].get("remat"):  # the same computation, recomputed in the backward pass
         chex.assert_trees_all_close(state.params, ref_state.params, atol=1e-6)
     else:  # bfloat16 matmuls: the loss within bfloat16 rounding of float32's
         np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=2e-2)
 
 
 def test_moe_losses_join_the_training_loss():
-    _, model, optimizer = _setup("moe_gpt", load_balancing_weight=0.5, router_z_weight=0.1)
+    _, model, optimizer = _setup("moe_gpt")
     graphdef, rest, state = init_train_state(model, optimizer, seed=0)
     batch = _tokens()
     reference = nnx.merge(graphdef, state.params, rest)
@@ -127,7 +128,8 @@ def test_moe_losses_join_the_training_loss():
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels(
         reference(batch["tokens"][:, :-1]), batch["tokens"][:, 1:]).mean()
     losses = moe_losses(reference)
-    step = make_train_step(graphdef, rest, optimizer, causal_lm)
+    step = make_train_step(graphdef, rest, optimizer, causal_lm, load_balancing_weight=0.5,
+                           router_z_weight=0.1)
     _, metrics = step(jax.tree.map(jnp.copy, state), batch)
     for name, value in losses.items():
         np.testing.assert_allclose(metrics[name], value, rtol=1e-5)
@@ -136,10 +138,10 @@ def test_moe_losses_join_the_training_loss():
 
 
 def test_deepseek_selection_bias_moves_by_the_rate_not_by_the_optimiser():
-    _, model, optimizer = _setup("moe_gpt", router_policy="deepseek", router_bias_rate=0.01,
-                                 moe_shared_experts=1)
+    _, model, optimizer = _setup("moe_gpt", moe={"policy": "deepseek", "shared_experts": 1})
     graphdef, rest, state = init_train_state(model, optimizer, seed=0)
-    step = make_train_step(graphdef, rest, optimizer, causal_lm, grad_accum=2)
+    step = make_train_step(graphdef, rest, optimizer, causal_lm, grad_accum=2,
+                           router_bias_rate=0.01)
     batch = _tokens(batch=8)
     loads = expert_loads(nnx.merge(graphdef, state.params, rest))
     assert list(loads) == ["stack/layers/0/mlp/selection_bias"]

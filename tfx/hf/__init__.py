@@ -52,9 +52,11 @@ def load(path: str | pathlib.Path, *, strict: bool = True, **overrides) -> nnx.M
         position_ids, are fine): otherwise ValueError naming them, raised from the files'
         headers before the model is built. False: warn instead, as transformers does;
         unexpected tensors are not read, missing ones keep the model's initial values.
-      overrides: config fields that change how, not what, the model computes, e.g.
-        `dtype="bfloat16"` (compute dtype; weights stay float32), `implementation="blocked"`,
-        `remat=True`, `scan_layers=True`.
+      overrides: config fields that change how, not what, the model computes, as
+        `TransformerConfig.replace` takes them (a dict changes some fields of a sub-config),
+        e.g. `compute={"dtype": "bfloat16"}` (compute dtype; weights stay float32),
+        `attention={"implementation": "blocked"}`, `compute={"remat": True,
+        "scan_layers": True}`.
     Returns:
       an NNX module in eval mode (dropout off) whose call mirrors `config.architectures[0]`.
     Raises:
@@ -77,7 +79,7 @@ def load(path: str | pathlib.Path, *, strict: bool = True, **overrides) -> nnx.M
                                  ignored=family.IGNORED, strict=strict, source=str(folder))
     model = create(config)
     params = plan.run(steps, checkpoint) | io.current_values(model, left_out)
-    if config.scan_layers:
+    if config.compute.scan_layers:
         params = io.stack_layers(params)
     # Heads a checkpoint may lack (a family's OPTIONAL_PARAMS) keep their initial values.
     io.assign_params(model, params, source=str(folder), optional=family.OPTIONAL_PARAMS)
@@ -95,14 +97,15 @@ def save(model: nnx.Module, path: str | pathlib.Path, *, architecture: str) -> N
     if architecture not in families:
         raise ValueError(f"architecture must be one of {sorted(families)}, got {architecture!r}")
     family = families[architecture]
-    experts = getattr(model.config, "num_experts", 0)
+    moe = model.config.moe
+    experts = 0 if moe is None else moe.num_experts
     if experts and not getattr(family, "HAS_EXPERTS", False):
         with_experts = sorted(a for a, f in families.items() if getattr(f, "HAS_EXPERTS", False))
         raise ValueError(f"{architecture} cannot express num_experts={experts} (a model with "
                          f"experts saves as one of {with_experts})")
     hf_config = family.config_to_hf(model.config, architecture)
     params = io.flat_params(model)
-    if model.config.scan_layers:
+    if model.config.compute.scan_layers:
         params = io.unstack_layers(params)
     tensors = family.params_to_hf(params, model.config)
     io.write_folder(pathlib.Path(path), hf_config, tensors)

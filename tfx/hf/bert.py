@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from tfx.hf import plan
-from tfx.models.config import EncoderConfig
+from tfx.models.config import EncoderConfig, MlpConfig, NormConfig, SpecialTokens
 
 __all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
            "params_from_hf", "params_to_hf", "steps", "tensor_table"]
@@ -89,10 +89,10 @@ def config_from_hf(hf: dict, architecture: str) -> EncoderConfig:
         d_ff=hf.get("intermediate_size", 3072),
         max_len=hf.get("max_position_embeddings", 512),
         type_vocab_size=hf.get("type_vocab_size", 2),
-        norm_eps=hf.get("layer_norm_eps", 1e-12),
-        activation=_ACTIVATIONS[act],
-        pad_token_id=0 if pad is None else pad,
-        position="learned", norm="layer", pre_norm=False, use_bias=True, dropout=0.0,
+        norm=NormConfig(kind="layer", eps=hf.get("layer_norm_eps", 1e-12), pre_norm=False),
+        mlp=MlpConfig(activation=_ACTIVATIONS[act]),
+        special_tokens=SpecialTokens(pad_id=0 if pad is None else pad),
+        position="learned", use_bias=True, dropout=0.0,
     )
 
 
@@ -104,27 +104,30 @@ def config_to_hf(config: EncoderConfig, architecture: str) -> dict:
         raise ValueError(f"{architecture} needs an EncoderConfig, got {type(config).__name__}")
     c = config
     unsupported = {
-        "position": (c.position, "learned"), "norm": (c.norm, "layer"),
-        "pre_norm": (c.pre_norm, False), "use_bias": (c.use_bias, True),
-        "gated_mlp": (c.gated_mlp, False), "num_kv_heads": (c.kv_heads, c.num_heads),
-        "head_dim": (c.head_dim or c.d_model // c.num_heads, c.d_model // c.num_heads),
-        "attention_scale": (c.attention_scale, None),
-        "scale_embeddings": (c.scale_embeddings, False),
+        "position": (c.position, "learned"), "norm.kind": (c.norm.kind, "layer"),
+        "norm.pre_norm": (c.norm.pre_norm, False), "use_bias": (c.use_bias, True),
+        "mlp.gated": (c.mlp.gated, False),
+        "attention.num_kv_heads": (c.kv_heads, c.num_heads),
+        "attention.head_dim": (c.attention.head_dim or c.d_model // c.num_heads,
+                               c.d_model // c.num_heads),
+        "attention.scale": (c.attention.scale, None),
+        "embeddings.scale": (c.embeddings.scale, False),
     }
     for field, (value, bert) in unsupported.items():
         if value != bert:
             raise ValueError(f"{field}={value!r} cannot be written as {architecture}: "
                              f"BERT has {field}={bert!r}")
-    if c.activation not in _ACTIVATIONS_TO_HF:
-        raise ValueError(f"activation={c.activation!r} cannot be written as {architecture}; "
+    if c.mlp.activation not in _ACTIVATIONS_TO_HF:
+        raise ValueError(f"mlp.activation={c.mlp.activation!r} cannot be written as "
+                         f"{architecture}; "
                          f"BERT takes {sorted(_ACTIVATIONS_TO_HF)}")
     return {
         "architectures": [architecture], "model_type": "bert",
         "vocab_size": c.vocab_size, "hidden_size": c.d_model, "num_hidden_layers": c.num_layers,
         "num_attention_heads": c.num_heads, "intermediate_size": c.d_ff,
-        "hidden_act": _ACTIVATIONS_TO_HF[c.activation],
+        "hidden_act": _ACTIVATIONS_TO_HF[c.mlp.activation],
         "max_position_embeddings": c.max_len, "type_vocab_size": c.type_vocab_size,
-        "layer_norm_eps": c.norm_eps, "pad_token_id": c.pad_token_id,
+        "layer_norm_eps": c.norm.eps, "pad_token_id": c.special_tokens.pad_id,
         "position_embedding_type": "absolute", "tie_word_embeddings": True,
         # tfx drops out residual branches and embeddings, never attention probabilities.
         "hidden_dropout_prob": c.dropout, "attention_probs_dropout_prob": 0.0,

@@ -13,7 +13,7 @@ import functools
 import numpy as np
 
 from tfx.hf import plan
-from tfx.models.config import DecoderConfig
+from tfx.models.config import DecoderConfig, field_value, nested
 
 __all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
            "params_from_hf", "params_to_hf", "steps"]
@@ -27,9 +27,10 @@ IGNORED = (r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)",)
 # HF activation_function -> tfx activation ("gelu_new" is the tanh approximation).
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 # What every GPT-2 is, in tfx terms (checked again on export).
-_FIXED = dict(position="learned", norm="layer", pre_norm=True, use_bias=True, gated_mlp=False,
-              num_kv_heads=None, head_dim=None, attention_scale=None, sliding_window=None,
-              attention_pattern=None, scale_embeddings=False)
+_FIXED = {"position": "learned", "norm.kind": "layer", "norm.pre_norm": True, "use_bias": True,
+          "mlp.gated": False, "attention.num_kv_heads": None, "attention.head_dim": None,
+          "attention.scale": None, "attention.sliding_window": None, "attention.pattern": None,
+          "embeddings.scale": False}
 # GPT2Config's defaults, for config.json files that leave a field out (old hub checkpoints do).
 _DEFAULTS = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
                  n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,
@@ -53,11 +54,12 @@ def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
         raise ValueError(f"{architecture}: activation_function={hf['activation_function']!r} "
                          f"is not supported; tfx maps {sorted(_ACTIVATIONS)}")
     d_model = hf["n_embd"]
-    return DecoderConfig(
-        vocab_size=hf["vocab_size"], d_model=d_model, num_layers=hf["n_layer"],
-        num_heads=hf["n_head"], d_ff=hf["n_inner"] or 4 * d_model, max_len=hf["n_positions"],
-        activation=_ACTIVATIONS[hf["activation_function"]], norm_eps=hf["layer_norm_epsilon"],
-        tie_embeddings=hf["tie_word_embeddings"], dropout=0.0, **_FIXED)
+    return DecoderConfig(**nested({
+        "vocab_size": hf["vocab_size"], "d_model": d_model, "num_layers": hf["n_layer"],
+        "num_heads": hf["n_head"], "d_ff": hf["n_inner"] or 4 * d_model,
+        "max_len": hf["n_positions"], "mlp.activation": _ACTIVATIONS[hf["activation_function"]],
+        "norm.eps": hf["layer_norm_epsilon"], "embeddings.tie": hf["tie_word_embeddings"],
+        "dropout": 0.0, **_FIXED}))
 
 
 def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
@@ -65,23 +67,25 @@ def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
     if not isinstance(config, DecoderConfig):
         raise ValueError(f"{architecture} needs a DecoderConfig, got {type(config).__name__}")
     # head_dim / num_kv_heads may be spelled out with their default values.
-    spelled = {"head_dim": config.d_model // config.num_heads, "num_kv_heads": config.num_heads}
+    spelled = {"attention.head_dim": config.d_model // config.num_heads,
+               "attention.num_kv_heads": config.num_heads}
     for name, value in _FIXED.items():
-        if getattr(config, name) not in (value, spelled.get(name, value)):
-            raise ValueError(f"{architecture} cannot express {name}={getattr(config, name)!r} "
+        if field_value(config, name) not in (value, spelled.get(name, value)):
+            raise ValueError(f"{architecture} cannot express {name}={field_value(config, name)!r} "
                              f"(GPT-2 has {name}={value!r})")
     activations = {tfx: hf for hf, tfx in _ACTIVATIONS.items()}
-    if config.activation not in activations:
-        raise ValueError(f"{architecture} cannot express activation={config.activation!r}; "
+    if config.mlp.activation not in activations:
+        raise ValueError(f"{architecture} cannot express mlp.activation="
+                         f"{config.mlp.activation!r}; "
                          f"it has {sorted(activations)}")
     return {
         "architectures": [architecture], "model_type": "gpt2",
         "vocab_size": config.vocab_size, "n_positions": config.max_len, "n_embd": config.d_model,
         "n_layer": config.num_layers, "n_head": config.num_heads, "n_inner": config.d_ff,
-        "activation_function": activations[config.activation],
-        "layer_norm_epsilon": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
+        "activation_function": activations[config.mlp.activation],
+        "layer_norm_epsilon": config.norm.eps, "tie_word_embeddings": config.embeddings.tie,
         "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
-        "attn_pdrop": config.dropout, "dtype": config.param_dtype, **_UNSUPPORTED,
+        "attn_pdrop": config.dropout, "dtype": config.compute.param_dtype, **_UNSUPPORTED,
     }
 
 
@@ -105,7 +109,7 @@ def steps(names, config: DecoderConfig) -> list[plan.Step]:
             name = hf(f"transformer.h.{i}.attn.c_attn.{suffix}")
             targets = tuple(("stack", "layers", i, "attention", q, kind) for q in _QKV)
             out.append(plan.Step(targets, (name,), functools.partial(_split_qkv, name)))
-    if not config.tie_embeddings:  # nn.Linear [out, in]
+    if not config.embeddings.tie:  # nn.Linear [out, in]
         out.append(plan.copy(("head", "kernel"), "lm_head.weight", transpose=True))
     elif "lm_head.weight" in names:  # a tied checkpoint may hold a copy: checked, not used
         out.append(plan.tied("lm_head.weight", hf("transformer.wte.weight")))
@@ -127,7 +131,7 @@ def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
         for kind, suffix in (("kernel", "weight"), ("bias", "bias")):
             parts = [params[("stack", "layers", i, "attention", name, kind)] for name in _QKV]
             tensors[f"transformer.h.{i}.attn.c_attn.{suffix}"] = np.concatenate(parts, axis=-1)
-    if not config.tie_embeddings:
+    if not config.embeddings.tie:
         tensors["lm_head.weight"] = params[("head", "kernel")].T
     return tensors
 

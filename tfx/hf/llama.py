@@ -18,7 +18,7 @@ import dataclasses
 import numpy as np
 
 from tfx.hf import plan
-from tfx.models.config import DecoderConfig
+from tfx.models.config import DecoderConfig, field_value, nested
 from tfx.ops.positional import DynamicNTKScaling, LinearScaling, Llama3Scaling, YaRNScaling
 
 __all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
@@ -33,9 +33,9 @@ IGNORED = (r"(.*\.)?rotary_emb\.inv_freq",)
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
 # What every LLaMA / Mistral is, in tfx terms (checked again on export).
-_FIXED = dict(position="rope", rope_layout="half", rope_fraction=1.0, norm="rms", pre_norm=True,
-              gated_mlp=True, activation="silu", attention_scale=None,
-              attention_pattern=None, scale_embeddings=False)
+_FIXED = {"position": "rope", "rope.layout": "half", "rope.fraction": 1.0, "norm.kind": "rms",
+          "norm.pre_norm": True, "mlp.gated": True, "mlp.activation": "silu",
+          "attention.scale": None, "attention.pattern": None, "embeddings.scale": False}
 # The config classes' defaults, for config.json files that leave a field out.
 _COMMON = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                head_dim=None, hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -67,21 +67,21 @@ def decoder_config(hf: dict, architecture: str, *, use_bias: bool, sliding_windo
                    default_theta: float = 10000.0, **fields) -> DecoderConfig:
     """The DecoderConfig of a LLaMA-style config.json whose defaults are filled in, shared with
     Mixtral: `default_theta` is the rope_theta of a config that names none, `fields` are further
-    DecoderConfig fields (Mixtral's experts)."""
+    DecoderConfig fields by dotted name (Mixtral's experts, "moe.num_experts", ...)."""
     if hf["hidden_act"] != "silu":
         raise ValueError(f"{architecture}: hidden_act={hf['hidden_act']!r} is not supported "
                          "(tfx maps the gated 'silu' MLP)")
     rope = _rope_parameters(hf)
     max_len = hf["max_position_embeddings"]
-    return DecoderConfig(
-        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-        num_kv_heads=hf["num_key_value_heads"], head_dim=hf["head_dim"],
-        d_ff=hf["intermediate_size"], max_len=max_len, norm_eps=hf["rms_norm_eps"],
-        rope_theta=float(rope.get("rope_theta", default_theta)),
-        rope_scaling=_scaling_from_hf(rope, hf, max_len, architecture), use_bias=use_bias,
-        tie_embeddings=hf["tie_word_embeddings"], sliding_window=sliding_window, dropout=0.0,
-        **_FIXED, **fields)
+    return DecoderConfig(**nested({
+        "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"],
+        "num_layers": hf["num_hidden_layers"], "num_heads": hf["num_attention_heads"],
+        "attention.num_kv_heads": hf["num_key_value_heads"], "attention.head_dim": hf["head_dim"],
+        "d_ff": hf["intermediate_size"], "max_len": max_len, "norm.eps": hf["rms_norm_eps"],
+        "rope.theta": float(rope.get("rope_theta", default_theta)),
+        "rope.scaling": _scaling_from_hf(rope, hf, max_len, architecture), "use_bias": use_bias,
+        "embeddings.tie": hf["tie_word_embeddings"], "attention.sliding_window": sliding_window,
+        "dropout": 0.0, **_FIXED, **fields}))
 
 
 def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
@@ -91,11 +91,11 @@ def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
     if architecture == "MistralForCausalLM":
         if config.use_bias:
             raise ValueError(f"{architecture} cannot express use_bias=True (it has no biases)")
-        hf["sliding_window"] = config.sliding_window
+        hf["sliding_window"] = config.attention.sliding_window
     else:
-        if config.sliding_window is not None:
-            raise ValueError(f"{architecture} cannot express sliding_window="
-                             f"{config.sliding_window} (save as MistralForCausalLM)")
+        if config.attention.sliding_window is not None:
+            raise ValueError(f"{architecture} cannot express attention.sliding_window="
+                             f"{config.attention.sliding_window} (save as MistralForCausalLM)")
         hf["attention_bias"] = hf["mlp_bias"] = config.use_bias
     return hf
 
@@ -106,18 +106,20 @@ def decoder_config_to_hf(config: DecoderConfig, architecture: str, model_type: s
     if not isinstance(config, DecoderConfig):
         raise ValueError(f"{architecture} needs a DecoderConfig, got {type(config).__name__}")
     for name, value in _FIXED.items():
-        if getattr(config, name) != value:
-            raise ValueError(f"{architecture} cannot express {name}={getattr(config, name)!r} "
+        if field_value(config, name) != value:
+            raise ValueError(f"{architecture} cannot express {name}={field_value(config, name)!r} "
                              f"(it has {name}={value!r})")
     return {
         "architectures": [architecture], "model_type": model_type,
         "vocab_size": config.vocab_size, "hidden_size": config.d_model,
         "intermediate_size": config.d_ff, "num_hidden_layers": config.num_layers,
         "num_attention_heads": config.num_heads, "num_key_value_heads": config.kv_heads,
-        "head_dim": config.head_dim or config.d_model // config.num_heads, "hidden_act": "silu",
-        "max_position_embeddings": config.max_len, "rms_norm_eps": config.norm_eps,
-        "tie_word_embeddings": config.tie_embeddings, "attention_dropout": config.dropout,
-        "rope_parameters": _scaling_to_hf(config, architecture), "dtype": config.param_dtype,
+        "head_dim": config.attention.head_dim or config.d_model // config.num_heads,
+        "hidden_act": "silu", "max_position_embeddings": config.max_len,
+        "rms_norm_eps": config.norm.eps, "tie_word_embeddings": config.embeddings.tie,
+        "attention_dropout": config.dropout,
+        "rope_parameters": _scaling_to_hf(config, architecture),
+        "dtype": config.compute.param_dtype,
     }
 
 
@@ -132,7 +134,7 @@ def steps(names, config: DecoderConfig) -> list[plan.Step]:
     Mixtral config, all but the experts and routers."""
     out = [plan.copy(path, name, transpose=path[-1] == "kernel")
            for path, name in tensor_names(config).items()]
-    if config.tie_embeddings and "lm_head.weight" in names:  # a copy: checked, not used
+    if config.embeddings.tie and "lm_head.weight" in names:  # a copy: checked, not used
         out.append(plan.tied("lm_head.weight", "model.embed_tokens.weight"))
     return out
 
@@ -153,13 +155,13 @@ def tensor_names(config: DecoderConfig) -> dict[tuple, str]:
     layers have experts in place of the MLP: `tfx.hf.mixtral` names those)."""
     names = {("embeddings", "tokens", "table"): "model.embed_tokens.weight",
              ("stack", "final_norm", "scale"): "model.norm.weight"}
-    if not config.tie_embeddings:  # a tied checkpoint's lm_head.weight is checked by `steps`
+    if not config.embeddings.tie:  # a tied checkpoint's lm_head.weight is checked by `steps`
         names[("head", "kernel")] = "lm_head.weight"
     projections = {("attention", "query"): "self_attn.q_proj",
                    ("attention", "key"): "self_attn.k_proj",
                    ("attention", "value"): "self_attn.v_proj",
                    ("attention", "out"): "self_attn.o_proj"}
-    if not config.num_experts:
+    if config.moe is None:
         projections |= {("mlp", "gate"): "mlp.gate_proj", ("mlp", "up"): "mlp.up_proj",
                         ("mlp", "down"): "mlp.down_proj"}
     for i in range(config.num_layers):
@@ -222,14 +224,14 @@ def _scaling_from_hf(rope: dict, hf: dict, max_len: int, architecture: str):
 
 
 def _scaling_to_hf(config: DecoderConfig, architecture: str) -> dict:
-    """tfx rope_theta + rope_scaling -> HF rope_parameters."""
-    scaling = config.rope_scaling
-    rope = {"rope_theta": config.rope_theta, "rope_type": "default"}
+    """tfx rope.theta + rope.scaling -> HF rope_parameters."""
+    scaling = config.rope.scaling
+    rope = {"rope_theta": config.rope.theta, "rope_type": "default"}
     if scaling is None:
         return rope
     kinds = {cls: kind for kind, cls in _SCALINGS.items()}
     if type(scaling) not in kinds:
-        raise ValueError(f"{architecture} cannot express rope_scaling={scaling!r}; it has "
+        raise ValueError(f"{architecture} cannot express rope.scaling={scaling!r}; it has "
                          f"{[cls.__name__ for cls in kinds]}")
     fields = {k: v for k, v in dataclasses.asdict(scaling).items() if v is not None}
     if isinstance(scaling, DynamicNTKScaling):

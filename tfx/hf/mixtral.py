@@ -3,7 +3,7 @@
 Mixtral is Mistral (RMSNorm, grouped-query attention, "half" rotary layout, an optional sliding
 window) with a sparse MoE block in place of every MLP: a bias-free router over E experts picks
 the k most probable by softmax over all E, weighted by their probabilities renormalised over the
-k (tfx's `router_policy="topk"`, dropless), and each expert is a SwiGLU MLP
+k (tfx's `moe.policy="topk"`, dropless), and each expert is a SwiGLU MLP
 (w1 = gate, w3 = up, w2 = down). Attention and norms map as in `tfx.hf.llama`.
 
 Tensors. `save_pretrained` (transformers 5) writes, and Hub checkpoints hold, one tensor per
@@ -17,11 +17,13 @@ either prefix, are read. `save` writes the per-expert layout. tfx stacks the exp
 
 Training settings. HF adds `router_aux_loss_coef · L` to the loss only when
 `output_router_logits` is true, with a load-balancing loss L that scores a balanced router k
-(it counts k choices per token as fractions of the tokens); tfx's loss scores it 1, so the
-weight read is `router_aux_loss_coef · k` (0 when `output_router_logits` is false) and saving
-divides by k. Mixtral has no router z-loss (weight 0 on load; not written on save).
+(it counts k choices per token as fractions of the tokens); tfx's loss scores it 1. The loss
+weights are training settings in tfx (tfx.train.config.TrainConfig), not part of the model:
+`train_settings` reads them from a config.json (`router_aux_loss_coef · k`, 0 when
+`output_router_logits` is false; no router z-loss), and a save writes MixtralConfig's defaults
+(`output_router_logits` false).
 `router_jitter_noise` multiplies the whole MoE input (router and experts) in training, tfx's
-`router_jitter` only the router logits: it is not carried either way (0 on load and save);
+`moe.jitter` only the router logits: it is not carried either way (0 on load and save);
 inference is unaffected by both.
 """
 
@@ -32,13 +34,13 @@ import functools
 import numpy as np
 
 from tfx.hf import llama, plan
-from tfx.models.config import DecoderConfig
+from tfx.models.config import DecoderConfig, field_value
 
 __all__ = ["ARCHITECTURES", "HAS_EXPERTS", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf",
-           "config_to_hf", "params_from_hf", "params_to_hf", "steps"]
+           "config_to_hf", "params_from_hf", "params_to_hf", "steps", "train_settings"]
 
 ARCHITECTURES = ("MixtralForCausalLM",)
-HAS_EXPERTS = True  # the one family whose models may have num_experts > 0 (tfx.hf.save)
+HAS_EXPERTS = True  # the one family whose models may have experts, `moe` (tfx.hf.save)
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
 IGNORED = llama.IGNORED  # the rotary buffers older transformers saved
 
@@ -52,13 +54,15 @@ _DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
 _DEFAULT_THETA = 1e6  # MixtralConfig.default_theta, for a config.json that names no rope_theta
 _DEFAULT_AUX_COEF = _DEFAULTS["router_aux_loss_coef"]
 # What every Mixtral MoE is, in tfx terms (checked again on export).
-_MOE_FIXED = dict(moe_every=1, capacity_factor=None, router_policy="topk", moe_shared_experts=0)
+_MOE_FIXED = {"moe.every": 1, "moe.capacity_factor": None, "moe.policy": "topk",
+              "moe.shared_experts": 0}
 _ROUTER = ("mlp", "router", "kernel")
 _EXPERTS = ("gate", "up", "down")
 
 
 def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
-    """MixtralConfig fields (config.json as a dict) -> DecoderConfig with experts; dropout off."""
+    """MixtralConfig fields (config.json as a dict) -> DecoderConfig with experts; dropout off
+    (the loss weights are training settings: `train_settings`)."""
     hf = {**_DEFAULTS, **hf}
     if hf.get("num_key_value_heads") is None:  # MixtralConfig: None means MHA
         hf["num_key_value_heads"] = hf["num_attention_heads"]
@@ -72,38 +76,44 @@ def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
         # HF renormalises the one weight to 1; tfx's top-1 (Switch) keeps the probability.
         raise ValueError(f"{architecture}: num_experts_per_tok=1 is not supported (transformers "
                          "weights the single expert by 1, tfx's top-1 router by its probability)")
-    balance = float(hf["router_aux_loss_coef"]) * k if hf["output_router_logits"] else 0.0
     return llama.decoder_config(
         hf, architecture, use_bias=False, sliding_window=hf["sliding_window"],
-        default_theta=_DEFAULT_THETA, num_experts=experts, experts_per_token=k,
-        moe_d_ff=hf["intermediate_size"], router_jitter=0.0, load_balancing_weight=balance,
-        router_z_weight=0.0, **_MOE_FIXED)
+        default_theta=_DEFAULT_THETA, **{"moe.num_experts": experts, "moe.experts_per_token": k,
+                                         "moe.d_ff": hf["intermediate_size"], "moe.jitter": 0.0},
+        **_MOE_FIXED)
+
+
+def train_settings(hf: dict) -> dict:
+    """The training settings of a MixtralConfig (config.json as a dict), as
+    tfx.train.config.TrainConfig fields: {"load_balancing_weight": router_aux_loss_coef · k,
+    or 0 when output_router_logits is false; "router_z_weight": 0.0}."""
+    hf = {**_DEFAULTS, **hf}
+    k = hf["num_experts_per_tok"]
+    balance = float(hf["router_aux_loss_coef"]) * k if hf["output_router_logits"] else 0.0
+    return {"load_balancing_weight": balance, "router_z_weight": 0.0}
 
 
 def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
     """DecoderConfig -> MixtralConfig fields; ValueError for what Mixtral cannot express."""
     hf = llama.decoder_config_to_hf(config, architecture, "mixtral")
-    if config.num_experts < 1:
-        raise ValueError(f"{architecture} needs num_experts >= 1 (a dense model saves as "
+    if config.moe is None:
+        raise ValueError(f"{architecture} needs experts, moe (a dense model saves as "
                          "LlamaForCausalLM or MistralForCausalLM)")
     for name, value in _MOE_FIXED.items():
-        if getattr(config, name) != value:
-            raise ValueError(f"{architecture} cannot express {name}={getattr(config, name)!r} "
+        if field_value(config, name) != value:
+            raise ValueError(f"{architecture} cannot express {name}={field_value(config, name)!r} "
                              f"(it has {name}={value!r})")
-    if config.experts_per_token == 1:
-        raise ValueError(f"{architecture} cannot express experts_per_token=1 (it weights a "
+    if config.moe.experts_per_token == 1:
+        raise ValueError(f"{architecture} cannot express moe.experts_per_token=1 (it weights a "
                          "single expert by 1, tfx by its probability)")
     if config.use_bias:
         raise ValueError(f"{architecture} cannot express use_bias=True (it has no biases)")
-    k = config.experts_per_token
-    weight = config.load_balancing_weight
     # MixtralConfig keeps head_dim None (d_model // heads) where LlamaConfig fills it in.
-    hf.update(head_dim=config.head_dim, intermediate_size=_expert_width(config),
-              sliding_window=config.sliding_window,
-              num_local_experts=config.num_experts, num_experts_per_tok=k,
-              output_router_logits=weight > 0,
-              router_aux_loss_coef=weight / k if weight > 0 else _DEFAULT_AUX_COEF,
-              router_jitter_noise=0.0)
+    hf.update(head_dim=config.attention.head_dim, intermediate_size=_expert_width(config),
+              sliding_window=config.attention.sliding_window,
+              num_local_experts=config.moe.num_experts,
+              num_experts_per_tok=config.moe.experts_per_token, output_router_logits=False,
+              router_aux_loss_coef=_DEFAULT_AUX_COEF, router_jitter_noise=0.0)
     return hf
 
 
@@ -120,7 +130,7 @@ def steps(names, config: DecoderConfig) -> list[plan.Step]:
         layer, block = ("stack", "layers", i), _block(names, i)
         out.append(plan.copy((*layer, *_ROUTER), f"{block}.gate.weight", transpose=True))
         out += _expert_steps(names, block, tuple((*layer, "mlp", "experts", name)
-                                                 for name in _EXPERTS), config.num_experts)
+                                                 for name in _EXPERTS), config.moe.num_experts)
     return out
 
 
@@ -133,14 +143,14 @@ def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
         tensors[f"{block}.gate.weight"] = np.asarray(params[(*layer, *_ROUTER)]).T
         for name, hf_name in zip(_EXPERTS, ("w1", "w3", "w2"), strict=True):
             stacked = np.asarray(params[(*layer, "mlp", "experts", name)])
-            for j in range(config.num_experts):
+            for j in range(config.moe.num_experts):
                 # nn.Linear weights are [out, in]: w1, w3 [f, d] and w2 [d, f].
                 tensors[f"{block}.experts.{j}.{hf_name}.weight"] = stacked[j].T
     return tensors
 
 
 def _expert_width(config: DecoderConfig) -> int:
-    return config.d_ff if config.moe_d_ff is None else config.moe_d_ff
+    return config.d_ff if config.moe.d_ff is None else config.moe.d_ff
 
 
 def _block(names, layer: int) -> str:

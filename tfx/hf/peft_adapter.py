@@ -93,10 +93,10 @@ def save_peft_adapter(model: nnx.Module, directory: str | pathlib.Path, *, archi
     if len(ranks) > 1:
         raise ValueError(f"the model's LoRA factors have ranks {ranks}; a peft adapter "
                          "exported by tfx has one rank")
-    if getattr(config, "tie_embeddings", False) and "embeddings/tokens" in weights.factors:
+    if config.embeddings.tie and "embeddings/tokens" in weights.factors:
         raise ValueError(f"LoRA on tied token embeddings cannot be exported to {architecture}: "
                          "peft's embed_tokens adapter leaves the tied lm_head unchanged")
-    factors = _per_layer(weights.factors, config.scan_layers)
+    factors = _per_layer(weights.factors, config.compute.scan_layers)
     tables = {path_name(p): np.asarray(m.table[...])
               for p, m in find_modules(model, LoRAEmbedding)}
     tensors = {}

@@ -120,7 +120,7 @@ class SentenceEncoder:
         tokenizer.enable_truncation(max_length=max_seq_length)
         tokenizer.enable_padding(
             direction="right", pad_to_multiple_of=_PAD_MULTIPLE,
-            pad_id=padding.get("pad_id", model.config.pad_token_id),
+            pad_id=padding.get("pad_id", model.config.special_tokens.pad_id),
             pad_type_id=padding.get("pad_type_id", 0),
             pad_token=padding.get("pad_token", "[PAD]"))
 

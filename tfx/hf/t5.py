@@ -18,7 +18,15 @@ from __future__ import annotations
 import numpy as np
 
 from tfx.hf import plan
-from tfx.models.config import EncoderDecoderConfig
+from tfx.models.config import (
+    AttentionConfig,
+    EmbeddingsConfig,
+    EncoderDecoderConfig,
+    MlpConfig,
+    NormConfig,
+    T5BiasConfig,
+    field_value,
+)
 
 __all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
            "params_from_hf", "params_to_hf", "steps"]
@@ -61,12 +69,13 @@ def config_from_hf(hf: dict, architecture: str) -> EncoderDecoderConfig:
     return EncoderDecoderConfig(
         vocab_size=hf.get("vocab_size", 32128), d_model=hf.get("d_model", 512),
         num_layers=num_layers, num_decoder_layers=hf.get("num_decoder_layers") or num_layers,
-        num_heads=hf.get("num_heads", 8), head_dim=hf.get("d_kv", 64), d_ff=hf.get("d_ff", 2048),
-        position="t5", t5_num_buckets=hf.get("relative_attention_num_buckets", 32),
-        t5_max_distance=hf.get("relative_attention_max_distance", 128),
-        activation=activation, gated_mlp=gated, norm="rms",
-        norm_eps=hf.get("layer_norm_epsilon", 1e-6), pre_norm=True, use_bias=False,
-        attention_scale=1.0, dropout=0.0, tie_embeddings=bool(scaled),
+        num_heads=hf.get("num_heads", 8), d_ff=hf.get("d_ff", 2048), position="t5",
+        t5=T5BiasConfig(num_buckets=hf.get("relative_attention_num_buckets", 32),
+                        max_distance=hf.get("relative_attention_max_distance", 128)),
+        attention=AttentionConfig(head_dim=hf.get("d_kv", 64), scale=1.0),
+        mlp=MlpConfig(activation=activation, gated=gated),
+        norm=NormConfig(kind="rms", eps=hf.get("layer_norm_epsilon", 1e-6), pre_norm=True),
+        use_bias=False, dropout=0.0, embeddings=EmbeddingsConfig(tie=bool(scaled)),
         scale_tied_head=bool(scaled), decoder_start_token_id=start or 0)
 
 
@@ -90,30 +99,32 @@ def config_to_hf(config: EncoderDecoderConfig, architecture: str) -> dict:
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
     c = config
-    required = dict(position="t5", norm="rms", pre_norm=True, use_bias=False,
-                    attention_scale=1.0, scale_embeddings=False)
+    required = {"position": "t5", "norm.kind": "rms", "norm.pre_norm": True, "use_bias": False,
+                "attention.scale": 1.0, "embeddings.scale": False}
     for name, value in required.items():
-        if getattr(c, name) != value:
-            raise ValueError(f"T5 needs {name}={value!r}, the config has {getattr(c, name)!r}")
+        if field_value(c, name) != value:
+            raise ValueError(f"T5 needs {name}={value!r}, the config has "
+                             f"{field_value(c, name)!r}")
     if c.kv_heads != c.num_heads:
         raise ValueError(f"T5 has no grouped-query attention: num_kv_heads ({c.kv_heads}) must "
                          f"equal num_heads ({c.num_heads})")
-    if c.activation not in _HF_ACTIVATIONS:
-        raise ValueError(f"activation {c.activation!r} has no T5 feed_forward_proj")
-    act = _HF_ACTIVATIONS[c.activation]
+    if c.mlp.activation not in _HF_ACTIVATIONS:
+        raise ValueError(f"mlp.activation {c.mlp.activation!r} has no T5 feed_forward_proj")
+    act = _HF_ACTIVATIONS[c.mlp.activation]
     # transformers reads "gated-gelu" as gelu_new (tanh), kept for old checkpoints' sake.
-    proj = ("gated-gelu" if act == "gelu_new" else f"gated-{act}") if c.gated_mlp else act
+    proj = ("gated-gelu" if act == "gelu_new" else f"gated-{act}") if c.mlp.gated else act
     return {
         "architectures": ["T5ForConditionalGeneration"], "model_type": "t5",
         "vocab_size": c.vocab_size, "d_model": c.d_model,
-        "d_kv": c.head_dim or c.d_model // c.num_heads, "d_ff": c.d_ff, "num_layers": c.num_layers,
+        "d_kv": c.attention.head_dim or c.d_model // c.num_heads, "d_ff": c.d_ff,
+        "num_layers": c.num_layers,
         "num_decoder_layers": c.decoder_layers, "num_heads": c.num_heads,
-        "relative_attention_num_buckets": c.t5_num_buckets,
-        "relative_attention_max_distance": c.t5_max_distance, "dropout_rate": c.dropout,
-        "layer_norm_epsilon": c.norm_eps, "feed_forward_proj": proj, "dense_act_fn": act,
-        "is_gated_act": c.gated_mlp, "is_encoder_decoder": True,
-        "tie_word_embeddings": c.tie_embeddings,
-        "scale_decoder_outputs": c.tie_embeddings and c.scale_tied_head,
+        "relative_attention_num_buckets": c.t5.num_buckets,
+        "relative_attention_max_distance": c.t5.max_distance, "dropout_rate": c.dropout,
+        "layer_norm_epsilon": c.norm.eps, "feed_forward_proj": proj, "dense_act_fn": act,
+        "is_gated_act": c.mlp.gated, "is_encoder_decoder": True,
+        "tie_word_embeddings": c.embeddings.tie,
+        "scale_decoder_outputs": c.embeddings.tie and c.scale_tied_head,
         "decoder_start_token_id": c.decoder_start_token_id, "pad_token_id": 0, "eos_token_id": 1,
     }
 
@@ -121,7 +132,7 @@ def config_to_hf(config: EncoderDecoderConfig, architecture: str) -> dict:
 def _names(config: EncoderDecoderConfig) -> list[tuple[Path, str, bool]]:
     """(tfx path, HF tensor name, transposed) for every parameter except the embeddings and
     the head. torch Linear weights are [out, in], nnx kernels [in, out]: transposed."""
-    mlp = (("gate", "wi_0"), ("up", "wi_1")) if config.gated_mlp else (("up", "wi"),)
+    mlp = (("gate", "wi_0"), ("up", "wi_1")) if config.mlp.gated else (("up", "wi"),)
     mlp += (("down", "wo"),)
     projections = (("query", "q"), ("key", "k"), ("value", "v"), ("out", "o"))
     names = []
@@ -163,7 +174,7 @@ def steps(names, config: EncoderDecoderConfig) -> list[plan.Step]:
         shared = _EMBED_COPIES[0]
     out.append(plan.copy(_SHARED, shared))
     out += [plan.tied(copy, shared) for copy in _EMBED_COPIES if copy != shared and copy in names]
-    if not config.tie_embeddings:
+    if not config.embeddings.tie:
         head = "lm_head.weight" if "lm_head.weight" in names else shared
         out.append(plan.copy(_HEAD, head, transpose=True))
     elif "lm_head.weight" in names:
@@ -178,7 +189,7 @@ def params_to_hf(params: dict[Path, np.ndarray],
     tensors = {name: _oriented(params[path], transposed)
                for path, name, transposed in _names(config)}
     tensors["shared.weight"] = np.asarray(params[_SHARED])
-    if not config.tie_embeddings:
+    if not config.embeddings.tie:
         tensors["lm_head.weight"] = np.asarray(params[_HEAD]).T
     return tensors
 

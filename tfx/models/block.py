@@ -23,10 +23,10 @@ __all__ = ["Block", "RematBlock", "dtypes"]
 
 def dtypes(config: TransformerConfig, platform: str | None = None) -> dict:
     """The dtype / param_dtype keyword arguments of every module of a model built on `platform`
-    (default: the one running here); config.dtype None gives the platform's compute dtype
+    (default: the one running here); config.compute.dtype None gives the platform's compute dtype
     (`tfx.models.config.compute_dtype`: bfloat16 on GPU/TPU, float32 on CPU)."""
-    return {"dtype": compute_dtype(config.dtype, platform or current_platform()),
-            "param_dtype": jnp.dtype(config.param_dtype)}
+    return {"dtype": compute_dtype(config.compute.dtype, platform or current_platform()),
+            "param_dtype": jnp.dtype(config.compute.param_dtype)}
 
 
 class Block(nnx.Module):
@@ -43,26 +43,27 @@ class Block(nnx.Module):
 
         def attention(**kwargs):
             return Attention(c.d_model, c.num_heads, num_kv_heads=c.kv_heads,
-                             head_dim=c.head_dim, use_bias=c.use_bias, scale=c.attention_scale,
-                             implementation=c.implementation, rngs=rngs, **kinds, **kwargs)
+                             head_dim=c.attention.head_dim, use_bias=c.use_bias,
+                             scale=c.attention.scale, implementation=c.attention.implementation,
+                             rngs=rngs, **kinds, **kwargs)
 
         def norm():
-            return make_norm(c.norm, c.d_model, epsilon=c.norm_eps, rngs=rngs, **kinds)
+            return make_norm(c.norm.kind, c.d_model, epsilon=c.norm.eps, rngs=rngs, **kinds)
 
-        self.pre_norm = c.pre_norm
+        self.pre_norm = c.norm.pre_norm
         self.attention = attention(position=_position(c, rngs))
         self.attention_norm = norm()
         self.cross_attention = attention() if cross_attention else None
         self.cross_norm = norm() if cross_attention else None
         if moe:
-            self.mlp = MoE(c.d_model, c.moe_d_ff or c.d_ff, num_experts=c.num_experts,
-                           experts_per_token=c.experts_per_token, activation=c.activation,
-                           gated=c.gated_mlp, capacity_factor=c.capacity_factor,
-                           policy=c.router_policy, jitter=c.router_jitter,
-                           implementation=c.moe_dispatch, shared_experts=c.moe_shared_experts,
+            self.mlp = MoE(c.d_model, c.moe.d_ff or c.d_ff, num_experts=c.moe.num_experts,
+                           experts_per_token=c.moe.experts_per_token, activation=c.mlp.activation,
+                           gated=c.mlp.gated, capacity_factor=c.moe.capacity_factor,
+                           policy=c.moe.policy, jitter=c.moe.jitter,
+                           implementation=c.moe.dispatch, shared_experts=c.moe.shared_experts,
                            rngs=rngs, **kinds)
         else:
-            self.mlp = MLP(c.d_model, c.d_ff, activation=c.activation, gated=c.gated_mlp,
+            self.mlp = MLP(c.d_model, c.d_ff, activation=c.mlp.activation, gated=c.mlp.gated,
                            use_bias=c.use_bias, rngs=rngs, **kinds)
         self.mlp_norm = norm()
         self.dropout = make_dropout(c.dropout, rngs=rngs)
@@ -121,12 +122,12 @@ def _position(config: TransformerConfig, rngs: nnx.Rngs) -> Position | None:
     positions, T5's stack adds its bias, or there are none)."""
     c = config
     if c.position == "rope":
-        return Rotary(Rope(c.rope_theta, c.rope_layout, c.rope_scaling, c.rope_fraction))
+        return Rotary(Rope(c.rope.theta, c.rope.layout, c.rope.scaling, c.rope.fraction))
     if c.position == "alibi":
         return ALiBi(c.num_heads)
     if c.position == "xl":
-        head_dim = c.head_dim or c.d_model // c.num_heads
-        scale = head_dim**-0.5 if c.attention_scale is None else c.attention_scale
+        head_dim = c.attention.head_dim or c.d_model // c.num_heads
+        scale = head_dim**-0.5 if c.attention.scale is None else c.attention.scale
         return TransformerXL(c.d_model, c.num_heads, head_dim, scale=scale, rngs=rngs,
                              **dtypes(c))
     return None

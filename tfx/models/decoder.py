@@ -33,7 +33,7 @@ class Decoder(nnx.Module):
         self.config = config
         self.embeddings = Embeddings(config, rngs=rngs)
         self.stack = Stack(config, causal=True, rngs=rngs)
-        self.head = (None if config.tie_embeddings else nnx.Linear(
+        self.head = (None if config.embeddings.tie else nnx.Linear(
             config.d_model, config.vocab_size, use_bias=False,
             kernel_metadata=axes.metadata(axes.EMBED, axes.VOCAB), rngs=rngs,
             **dtypes(config)))
@@ -137,11 +137,12 @@ class Decoder(nnx.Module):
                 raise ValueError("leading vectors are not supported with a "
                                  "Transformer-XL memory (position='xl'), which would forget them")
             return init_memory(num_layers=c.num_layers, batch=batch, mem_len=max_len,
-                               d_model=c.d_model, dtype=dtype, stacked=c.scan_layers)
+                               d_model=c.d_model, dtype=dtype, stacked=c.compute.scan_layers)
         cache = init_cache(num_layers=c.num_layers, batch=batch, max_len=max_len + g,
                            num_kv_heads=c.kv_heads,
-                           head_dim=c.head_dim or c.d_model // c.num_heads,
-                           dtype=dtype, window=c.sliding_window, stacked=c.scan_layers)
+                           head_dim=c.attention.head_dim or c.d_model // c.num_heads,
+                           dtype=dtype, window=c.attention.sliding_window,
+                           stacked=c.compute.scan_layers)
         if g:
             _, cache = self._cached(jnp.zeros((batch, 0), jnp.int32), jnp.ones((batch, g), bool),
                                     cache, leading=self.embeddings.leading(batch))

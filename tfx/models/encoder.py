@@ -25,7 +25,8 @@ def token_types_from_separators(input_ids: jax.Array, sep_token_id: int) -> jax.
 
     Args:
       input_ids: int [batch, seq].
-      sep_token_id: the [SEP] id (EncoderConfig.sep_token_id, 102 in BERT's vocabulary).
+      sep_token_id: the [SEP] id (EncoderConfig.special_tokens.sep_id, 102 in BERT's
+        vocabulary).
     Returns:
       int32 [batch, seq]. Padding after B gets 1 too; it is masked out anyway.
     """
@@ -54,7 +55,7 @@ class Encoder(nnx.Module):
         square = dict(kernel_metadata=axes.metadata(axes.EMBED, None), **kinds)
         self.pooler = nnx.Linear(c.d_model, c.d_model, rngs=rngs, **square)
         self.mlm_transform = nnx.Linear(c.d_model, c.d_model, rngs=rngs, **square)
-        self.mlm_norm = make_norm(c.norm, c.d_model, epsilon=c.norm_eps, rngs=rngs, **kinds)
+        self.mlm_norm = make_norm(c.norm.kind, c.d_model, epsilon=c.norm.eps, rngs=rngs, **kinds)
         self.mlm_bias = nnx.Param(jnp.zeros((c.vocab_size,), kinds["param_dtype"]),
                                   **axes.metadata(axes.VOCAB))
 
@@ -103,6 +104,6 @@ class Encoder(nnx.Module):
     def mlm_logits(self, hidden: jax.Array) -> jax.Array:
         """Masked-LM head: Linear -> activation -> norm -> tied word embeddings + bias,
         float32 [batch, seq, vocab_size]."""
-        h = self.mlm_norm(ACTIVATIONS[self.config.activation](self.mlm_transform(hidden)))
+        h = self.mlm_norm(ACTIVATIONS[self.config.mlp.activation](self.mlm_transform(hidden)))
         logits = self.embeddings.tokens.attend(h) + self.mlm_bias[...]
         return logits.astype(jnp.float32)

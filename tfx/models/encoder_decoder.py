@@ -44,7 +44,7 @@ class EncoderDecoder(nnx.Module):
         self.encoder = Stack(c, causal=False, rngs=rngs)
         self.decoder = Stack(c, causal=True, cross_attention=True,
                              num_layers=c.decoder_layers, rngs=rngs)
-        self.head = (None if c.tie_embeddings else
+        self.head = (None if c.embeddings.tie else
                      nnx.Linear(c.d_model, c.vocab_size, use_bias=False,
                                 kernel_metadata=axes.metadata(axes.EMBED, axes.VOCAB),
                                 rngs=rngs, **kinds))
@@ -130,9 +130,9 @@ class EncoderDecoder(nnx.Module):
                              f"(config.max_len = {c.max_len})")
         decoder = init_cache(num_layers=c.decoder_layers, batch=encoded.shape[0], max_len=max_len,
                              num_kv_heads=c.kv_heads,
-                             head_dim=c.head_dim or c.d_model // c.num_heads,
+                             head_dim=c.attention.head_dim or c.d_model // c.num_heads,
                              dtype=jnp.dtype(dtype or dtypes(c)["dtype"] or jnp.float32),
-                             stacked=c.scan_layers)
+                             stacked=c.compute.scan_layers)
         return Seq2SeqCache(decoder=decoder, cross=self.decoder.cross_keys_values(encoded),
                             context_mask=self._context_mask(attention_mask))
 

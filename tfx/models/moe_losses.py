@@ -26,10 +26,11 @@ def moe_losses(model: nnx.Module) -> dict[str, jax.Array]:
     return out
 
 
-def aux_loss(model: nnx.Module) -> jax.Array:
-    """config.load_balancing_weight · load_balancing_loss + config.router_z_weight ·
-    router_z_loss: the term a training objective adds to its loss. float32 []."""
+def aux_loss(model: nnx.Module, *, load_balancing_weight: float,
+             router_z_weight: float) -> jax.Array:
+    """load_balancing_weight · load_balancing_loss + router_z_weight · router_z_loss: the term
+    a training objective adds to its loss (the weights are training settings,
+    tfx.train.config.TrainConfig). float32 []."""
     losses = moe_losses(model)
-    c = model.config
-    return (c.load_balancing_weight * losses["load_balancing_loss"]
-            + c.router_z_weight * losses["router_z_loss"])
+    return (load_balancing_weight * losses["load_balancing_loss"]
+            + router_z_weight * losses["router_z_loss"])

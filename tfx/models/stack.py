@@ -23,7 +23,7 @@ __all__ = ["Embeddings", "Stack"]
 class Embeddings(nnx.Module):
     """Token embedding, plus absolute positions and token types where the config has them.
 
-    Token embeddings are multiplied by sqrt(d_model) with `scale_embeddings` (Vaswani et al.).
+    Token embeddings are multiplied by sqrt(d_model) with `embeddings.scale` (Vaswani et al.).
     Post-norm models (BERT) normalise the sum, as BERT does; dropout follows.
     """
 
@@ -31,7 +31,7 @@ class Embeddings(nnx.Module):
                  rngs: nnx.Rngs):
         c, kinds = config, dtypes(config)
         self.tokens = tokens or TokenEmbedding(c.vocab_size, c.d_model, rngs=rngs, **kinds)
-        self.token_scale = c.d_model ** 0.5 if c.scale_embeddings else None
+        self.token_scale = c.d_model ** 0.5 if c.embeddings.scale else None
         positions = None
         if c.position == "learned":
             positions = LearnedPositions(c.max_len, c.d_model, rngs=rngs, **kinds)
@@ -42,8 +42,8 @@ class Embeddings(nnx.Module):
         self.token_types = (TokenEmbedding(c.type_vocab_size, c.d_model, vocab_axis=None,
                                            rngs=rngs, **kinds)
                             if isinstance(c, EncoderConfig) else None)
-        self.norm = None if c.pre_norm else make_norm(c.norm, c.d_model, epsilon=c.norm_eps,
-                                                      rngs=rngs, **kinds)
+        self.norm = None if c.norm.pre_norm else make_norm(c.norm.kind, c.d_model,
+                                                           epsilon=c.norm.eps, rngs=rngs, **kinds)
         self.dropout = make_dropout(c.dropout, rngs=rngs)
 
     num_leading = 0  # vectors put before the tokens at every call (see `leading`)
@@ -96,17 +96,17 @@ class Stack(nnx.Module):
                  num_layers: int | None = None, rngs: nnx.Rngs):
         c, kinds = config, dtypes(config)
         self.causal = causal
-        layer = RematBlock if c.remat else Block
-        self.sliding_window = getattr(c, "sliding_window", None)
-        pattern = getattr(c, "attention_pattern", None)
+        layer = RematBlock if c.compute.remat else Block
+        self.sliding_window = c.attention.sliding_window
+        pattern = c.attention.pattern
         self.attention_pattern = None if pattern is None else parse_spec(pattern)
         self.relative_bias = (RelativePositionBias(
-            c.num_heads, bidirectional=not causal, num_buckets=c.t5_num_buckets,
-            max_distance=c.t5_max_distance, param_dtype=kinds["param_dtype"], rngs=rngs)
+            c.num_heads, bidirectional=not causal, num_buckets=c.t5.num_buckets,
+            max_distance=c.t5.max_distance, param_dtype=kinds["param_dtype"], rngs=rngs)
             if c.position == "t5" else None)
         count = c.num_layers if num_layers is None else num_layers
-        self.scan_layers = c.scan_layers
-        if c.scan_layers:
+        self.scan_layers = c.compute.scan_layers
+        if c.compute.scan_layers:
             # One Block whose weights carry a leading [num_layers] axis, compiled once.
             @nnx.split_rngs(splits=count)
             @nnx.vmap(in_axes=(0,), out_axes=0,
@@ -120,8 +120,8 @@ class Stack(nnx.Module):
             self.layers = nnx.List([
                 layer(c, cross_attention=cross_attention, moe=c.is_moe_layer(i), rngs=rngs)
                 for i in range(count)])
-        self.final_norm = (make_norm(c.norm, c.d_model, epsilon=c.norm_eps, rngs=rngs, **kinds)
-                           if c.pre_norm else None)
+        self.final_norm = (make_norm(c.norm.kind, c.d_model, epsilon=c.norm.eps, rngs=rngs,
+                                     **kinds) if c.norm.pre_norm else None)
         self.dropout = make_dropout(c.dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array, *, positions: jax.Array, mask: jax.Array | None = None,

@@ -134,7 +134,7 @@ class Adapters:
         def make(rngs):
             return Adapter(config.d_model, size, activation=self.activation,
                            init_std=self.init_std, zero_up=self.zero_up, use_bias=self.use_bias,
-                           param_dtype=jnp.dtype(config.param_dtype), rngs=rngs)
+                           param_dtype=jnp.dtype(config.compute.param_dtype), rngs=rngs)
 
         for stack in stacks:
             blocks = _layers(stack)

@@ -158,7 +158,7 @@ def attach(model: nnx.Module, weights: LoRAWeights, *, dropout: float = 0.0,
                                  f"weight {base.shape} needs {want}")
         if isinstance(module, nnx.Linear):
             if dropout and base.ndim > 2:
-                raise ValueError("LoRA dropout needs unstacked layers (scan_layers=False)")
+                raise ValueError("LoRA dropout needs unstacked layers (compute.scan_layers=False)")
             new = LoRALinear(module, factors.a, factors.b, scale=weights.scale,
                              dropout=dropout, rngs=rngs)
         else:

@@ -121,7 +121,7 @@ class Prefix:
     projection: 0 learns the keys and values directly ([G, num_kv_heads, head_dim] each per
       layer, GQA/MQA using the KV head count); > 0 trains peft's reparameterisation MLP with this
       hidden width instead (`PrefixEncoder`); `Prefix.fold(model)` then replaces it by its
-      output. One MLP serves all layers, so it needs scan_layers=False.
+      output. One MLP serves all layers, so it needs compute.scan_layers=False.
     init_std: standard deviation of the normal init of the prefix (or of the MLP's embedding).
     """
 
@@ -162,7 +162,8 @@ class Prefix:
         if stacked:
             raise ValueError(
                 f"projection > 0 shares one MLP across layers, which scanned layers "
-                f"(scan_layers=True) cannot hold: {stacked}; use projection=0 or scan_layers=False")
+                f"(compute.scan_layers=True) cannot hold: {stacked}; use projection=0 or "
+                "compute.scan_layers=False")
         head_shapes = {(a.num_kv_heads, a.head_dim, a.d_model) for _, a in targets}
         if len(head_shapes) > 1:
             raise ValueError(f"projection > 0 needs targets of one (num_kv_heads, head_dim, "

@@ -34,6 +34,7 @@ import logging
 import os
 import pathlib
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -68,10 +69,14 @@ class Checkpoints:
       read_only: only restore (`tfx eval`, `tfx sample`, `train.init_from`): nothing in the
         directory is created, written or deleted — in particular not the temporary folder of
         a save that a running training run has in flight, which a writer's opening removes.
+      stored_form: applied to the config read from ``config.json`` before it is compared with
+        `config` (`tfx.train.config.stored_identity`: a config of an older layout is migrated);
+        None compares it as read.
     """
 
     def __init__(self, directory: str | os.PathLike, *, config: dict, keep: int = 3,
-                 async_save: bool = True, read_only: bool = False):
+                 async_save: bool = True, read_only: bool = False,
+                 stored_form: Callable[[dict], dict] | None = None):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an int >= 1, got {keep!r}")
         if not isinstance(config, dict):
@@ -83,7 +88,7 @@ class Checkpoints:
         self.directory = pathlib.Path(directory).absolute()
         config_path = self.directory / "config.json"
         if config_path.exists():
-            _check_same_config(config_path, config)
+            _check_same_config(config_path, config, stored_form)
         self.read_only = read_only
         self._manager = _manager(self.directory, keep=keep, async_save=async_save,
                                  read_only=read_only)
@@ -352,12 +357,20 @@ def _manager(directory: pathlib.Path, *, keep: int, async_save: bool,
         absl_logger.setLevel(level)
 
 
-def _check_same_config(path: pathlib.Path, config: dict) -> None:
-    """Raise ValueError listing the dotted keys where `path`'s config differs from `config`."""
+def _check_same_config(path: pathlib.Path, config: dict,
+                       stored_form: Callable[[dict], dict] | None) -> None:
+    """Raise ValueError listing the dotted keys where `path`'s config (through `stored_form`)
+    differs from `config`."""
     try:
         old = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{path} is unreadable ({e}); refusing to reuse this directory") from e
+    if stored_form is not None:
+        try:
+            old = json.loads(json.dumps(stored_form(old)))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path} holds a config this tfx cannot read ({e}); refusing to "
+                             "reuse this directory: train in a new workdir") from e
     diffs = config_diff(old, config, "")
     if diffs:
         raise ValueError(f"{path.parent} holds checkpoints of another config; differing keys "

@@ -1,16 +1,17 @@
 """What a training run is: an `Experiment` = model config + objective + data + optimiser + loop
 settings + mesh. Frozen, validated dataclasses, overridden from the command line by tyro
-(`--model.num_layers=4`, `--optim.learning_rate=1e-3`)."""
+(`--model.num_layers=4`, `--model.moe.num_experts=8`, `--optim.learning_rate=1e-3`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Literal
 
-from tfx.models.config import DecoderConfig, EncoderConfig, EncoderDecoderConfig
+from tfx.models.config import SUBCONFIGS, DecoderConfig, EncoderConfig, EncoderDecoderConfig
+from tfx.train.migration import CONFIG_VERSION, migrate
 
 __all__ = ["DataConfig", "Experiment", "MeshConfig", "OptimConfig", "PeftConfig", "TrainConfig",
-           "experiment_from_dict", "non_empty_path", "run_identity"]
+           "experiment_from_dict", "non_empty_path", "run_identity", "stored_identity"]
 
 OBJECTIVES = {"causal_lm": DecoderConfig, "mlm": EncoderConfig, "seq2seq": EncoderDecoderConfig}
 
@@ -69,7 +70,11 @@ class TrainConfig:
     `nonfinite` says what the loop does then: "stop" raises `DivergenceError` at the next log,
     eval or checkpoint step, before saving anything; "skip" goes on (the step's batch is
     dropped, as large-scale trainers do) and logs the count, and stops only when more than
-    `max_consecutive_skips` steps in a row were skipped (a state that no batch can fix)."""
+    `max_consecutive_skips` steps in a row were skipped (a state that no batch can fix).
+
+    A model with experts (`model.moe`) adds `load_balancing_weight` · load-balancing loss +
+    `router_z_weight` · router z-loss to its training loss; with moe.policy="deepseek" its
+    selection biases move by `router_bias_rate` per step toward balance."""
 
     steps: int = 600
     batch_size: int = 16
@@ -84,6 +89,9 @@ class TrainConfig:
     init_from: str | None = None  # a workdir whose newest checkpoint gives the starting weights
     nonfinite: Literal["stop", "skip"] = "stop"
     max_consecutive_skips: int = 10  # nonfinite="skip": more skipped steps in a row stop the run
+    load_balancing_weight: float = 0.01
+    router_z_weight: float = 0.001
+    router_bias_rate: float = 0.001
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every",
@@ -93,6 +101,8 @@ class TrainConfig:
         if self.nonfinite not in ("stop", "skip"):
             raise ValueError(f"nonfinite must be 'stop' or 'skip', got {self.nonfinite!r}")
         non_empty_path("train.init_from", self.init_from)
+        for name in ("load_balancing_weight", "router_z_weight", "router_bias_rate"):
+            _at_least(f"train.{name}", getattr(self, name), 0.0)
         if self.batch_size % self.grad_accum:
             raise ValueError(f"grad_accum ({self.grad_accum}) must divide batch_size "
                              f"({self.batch_size})")
@@ -215,8 +225,9 @@ class Experiment:
 
     def to_dict(self) -> dict:
         """JSON-able form; dataclasses carry their class under "__type__" so that
-        `experiment_from_dict` rebuilds the same objects."""
-        return _encode(self)
+        `experiment_from_dict` rebuilds the same objects, and "version" says the layout
+        (tfx.train.migration)."""
+        return {"version": CONFIG_VERSION, **_encode(self)}
 
 
 # Loop settings that may change between a run and its resumption: they change no step that the
@@ -224,9 +235,6 @@ class Experiment:
 # run may resume with nonfinite="skip".
 LOOP_ONLY = ("log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
              "nonfinite", "max_consecutive_skips")
-# Model fields added after runs were stored, with their defaults: left out of a run's identity
-# at their default, so that those runs keep their identity and resume.
-ADDED_MODEL_FIELDS = {"attention_pattern": None, "scale_embeddings": False}
 
 
 def run_identity(experiment: Experiment) -> dict:
@@ -241,14 +249,21 @@ def run_identity(experiment: Experiment) -> dict:
         identity.pop("peft")
     if experiment.train.init_from is None:
         identity["train"].pop("init_from")
-    for name, default in ADDED_MODEL_FIELDS.items():
-        if name in identity["model"] and identity["model"][name] == default:
-            identity["model"].pop(name)
     return identity
 
 
+def stored_identity(stored: dict) -> dict:
+    """The run identity of a stored one (a workdir's config.json), of any config version:
+    migrated to the current layout (`tfx.train.migration.migrate`) and rebuilt, so that fields
+    the stored form leaves out compare at their defaults."""
+    return run_identity(experiment_from_dict(stored))
+
+
 def experiment_from_dict(data: dict) -> Experiment:
-    """Inverse of `Experiment.to_dict` (missing fields take their defaults)."""
+    """Inverse of `Experiment.to_dict`, for any stored config version (migrated first; missing
+    fields take their defaults)."""
+    data = migrate(data)
+    data.pop("version")
     return _decode(data)
 
 
@@ -257,7 +272,8 @@ def _types() -> dict[str, type]:
     from tfx.ops.positional import RopeScaling
 
     known = (Experiment, TrainConfig, OptimConfig, DataConfig, MeshConfig, PeftConfig,
-             DecoderConfig, EncoderConfig, EncoderDecoderConfig, *RopeScaling.__subclasses__())
+             DecoderConfig, EncoderConfig, EncoderDecoderConfig, *SUBCONFIGS.values(),
+             *RopeScaling.__subclasses__())
     return {cls.__name__: cls for cls in known}
 
 

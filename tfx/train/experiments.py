@@ -19,7 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from tfx.models.config import POSITIONS, EncoderConfig, EncoderDecoderConfig
+from tfx.models.config import (
+    POSITIONS,
+    EmbeddingsConfig,
+    EncoderConfig,
+    EncoderDecoderConfig,
+    MlpConfig,
+    NormConfig,
+    SpecialTokens,
+)
 from tfx.models.presets import PRESETS
 from tfx.train.config import DataConfig, Experiment, OptimConfig, TrainConfig
 
@@ -40,9 +48,11 @@ _GPT_CHAR = Experiment(
 _BERT_MLM = Experiment(
     name="bert_mlm", objective="mlm",
     model=EncoderConfig(vocab_size=256 + len(MLM_SPECIALS), d_model=256, num_layers=4,
-                        num_heads=4, d_ff=1024, max_len=128, position="learned", norm="layer",
-                        norm_eps=1e-12, pre_norm=False, activation="gelu", dropout=0.0,
-                        pad_token_id=256, cls_token_id=257, sep_token_id=258, mask_token_id=259),
+                        num_heads=4, d_ff=1024, max_len=128, position="learned",
+                        norm=NormConfig(kind="layer", eps=1e-12, pre_norm=False),
+                        mlp=MlpConfig(activation="gelu"), dropout=0.0,
+                        special_tokens=SpecialTokens(pad_id=256, cls_id=257, sep_id=258,
+                                                     mask_id=259)),
     train=TrainConfig(steps=400, batch_size=32, seq_len=128, eval_every=100,
                       checkpoint_every=100),
     optim=OptimConfig(learning_rate=1e-3, warmup_steps=40, b2=0.98))
@@ -51,9 +61,9 @@ _SEQ2SEQ_REVERSE = Experiment(
     name="seq2seq_reverse", objective="seq2seq",
     model=EncoderDecoderConfig(vocab_size=256 + len(SEQ2SEQ_SPECIALS), d_model=128,
                                num_layers=2, num_heads=4, d_ff=512, max_len=64,
-                               position="sinusoidal", norm="layer", norm_eps=1e-6,
-                               activation="relu", decoder_start_token_id=257,
-                               scale_embeddings=True),
+                               position="sinusoidal", norm=NormConfig(kind="layer", eps=1e-6),
+                               mlp=MlpConfig(activation="relu"), decoder_start_token_id=257,
+                               embeddings=EmbeddingsConfig(scale=True)),
     data=DataConfig(task="reverse", min_len=4, max_len=16),
     train=TrainConfig(steps=600, batch_size=64, seq_len=32, eval_every=200,
                       checkpoint_every=200),
@@ -72,7 +82,7 @@ _MOE_GPT = dataclasses.replace(_GPT_CHAR, name="moe_gpt", model=PRESETS["char-mo
 def _posenc(position: str) -> Experiment:
     # Sinusoidal positions come with embeddings scaled by sqrt(d_model), as in Vaswani et al.
     model = PRESETS["char-gpt"].replace(position=position, max_len=1024,
-                                        scale_embeddings=position == "sinusoidal")
+                                        embeddings={"scale": position == "sinusoidal"})
     return dataclasses.replace(
         _GPT_CHAR, name=f"posenc_{position}", model=model,
         train=dataclasses.replace(_GPT_CHAR.train, seq_len=128, batch_size=32))

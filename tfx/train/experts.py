@@ -17,19 +17,22 @@ __all__ = ["MOE_METRICS", "add_moe_losses", "balance_experts", "expert_loads"]
 MOE_METRICS = ("load_balancing_loss", "router_z_loss")
 
 
-def add_moe_losses(model: nnx.Module, total, count, metrics: dict):
-    """Add the weighted routing losses once per target (so that the mean over targets is
+def add_moe_losses(model: nnx.Module, total, count, metrics: dict, *,
+                   load_balancing_weight: float, router_z_weight: float):
+    """Add the routing losses, weighted so, once per target (so that the mean over targets is
     cross-entropy + aux) and their values as metric sums; no-op without experts."""
-    if not getattr(model.config, "num_experts", 0):
+    if model.config.moe is None:
         return total, metrics
     losses = moe_losses(model)
     metrics = {**metrics, **{name: value * count for name, value in losses.items()}}
-    return total + count * aux_loss(model), metrics
+    aux = aux_loss(model, load_balancing_weight=load_balancing_weight,
+                   router_z_weight=router_z_weight)
+    return total + count * aux, metrics
 
 
 def expert_loads(model: nnx.Module) -> dict[str, jax.Array]:
     """{parameter path of each selection bias: the expert load its layer recorded in this
-    forward pass ([E], or [layers, E] when stacked)}; empty unless router_policy="deepseek"."""
+    forward pass ([E], or [layers, E] when stacked)}; empty unless moe.policy="deepseek"."""
     return {path_name((*path, "selection_bias")): module.expert_load[...]
             for path, module in nnx.iter_graph(model)
             if isinstance(module, MoE) and module.selection_bias is not None}

@@ -23,20 +23,23 @@ def experiment_tokenizer(experiment: Experiment) -> Tokenizer:
     if experiment.objective == "seq2seq":
         tokenizer = SyntheticTask(data.task, data.min_len, data.max_len).tokenizer
         expected = {"decoder_start_token_id": tokenizer.token_id("[BOS]")}
+        found = {"decoder_start_token_id": model.decoder_start_token_id}
     elif experiment.objective == "mlm":
         tokenizer = load_tokenizer(data.tokenizer, specials=MLM_SPECIALS)
-        expected = {f"{name}_token_id": tokenizer.token_id(f"[{name.upper()}]")
-                    for name in ("pad", "cls", "sep", "mask")}
+        names = ("pad", "cls", "sep", "mask")
+        expected = {f"special_tokens.{n}_id": tokenizer.token_id(f"[{n.upper()}]") for n in names}
+        found = {f"special_tokens.{n}_id": getattr(model.special_tokens, f"{n}_id")
+                 for n in names}
     else:
         tokenizer = load_tokenizer(data.tokenizer)
-        expected = {}
+        expected = found = {}
     if model.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"model.vocab_size ({model.vocab_size}) is smaller than the "
                          f"tokenizer's vocabulary ({tokenizer.vocab_size})")
     for field, token_id in expected.items():
-        if getattr(model, field) != token_id:
+        if found[field] != token_id:
             raise ValueError(f"model.{field} must be {token_id} (the tokenizer's id), "
-                             f"got {getattr(model, field)}")
+                             f"got {found[field]}")
     return tokenizer
 
 

@@ -20,9 +20,9 @@ def parameter_count(params: nnx.State, *, exclude_positions: bool = True,
     """Number of parameters; learned position tables (`.../positions/...`) are left out by
     default, as the FLOP count asks (a lookup, not a matmul). Given the model's `config`, the
     count is of the parameters one token uses: each MoE layer's experts count
-    experts_per_token / num_experts of their size (a token visits k of the E experts)."""
-    share = 1.0 if config is None or not config.num_experts else (
-        config.experts_per_token / config.num_experts)
+    moe.experts_per_token / moe.num_experts of their size (a token visits k of the E experts)."""
+    share = 1.0 if config is None or config.moe is None else (
+        config.moe.experts_per_token / config.moe.num_experts)
     return round(sum(np.prod(leaf.shape) * (share if "experts" in path else 1.0)
                      for path, leaf in nnx.to_flat_state(params)
                      if not (exclude_positions and "positions" in path)))
@@ -34,7 +34,7 @@ def training_flops_per_token(config: TransformerConfig, num_params: int, seq_len
     layers = config.num_layers
     if isinstance(config, EncoderDecoderConfig):
         layers += config.decoder_layers
-    head_dim = config.head_dim or config.d_model // config.num_heads
+    head_dim = config.attention.head_dim or config.d_model // config.num_heads
     return 6.0 * num_params + 12.0 * layers * config.num_heads * head_dim * seq_len
 
 

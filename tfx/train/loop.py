@@ -38,7 +38,7 @@ from tfx import parallel
 from tfx.models.presets import create
 from tfx.peft import PeftParam
 from tfx.train.checkpoint import Checkpoints
-from tfx.train.config import Experiment, non_empty_path, run_identity
+from tfx.train.config import Experiment, non_empty_path, run_identity, stored_identity
 from tfx.train.feed import Feed
 from tfx.train.flops import matmul_peak_flops, parameter_count, training_flops_per_token
 from tfx.train.lock import WorkdirLock
@@ -93,7 +93,7 @@ class Trainer:
             self.checkpoints = Checkpoints(self.workdir / "checkpoints",
                                            config=run_identity(experiment),
                                            keep=experiment.train.keep_checkpoints,
-                                           read_only=not lock)
+                                           read_only=not lock, stored_form=stored_identity)
         except BaseException:
             self._lock.release()
             raise
@@ -131,7 +131,10 @@ class Trainer:
                   "mlm_probability": experiment.mlm_probability}
         self.train_step = make_train_step(self.graphdef, self.rest, self.optimizer, objective,
                                           grad_accum=t.grad_accum, objective_kwargs=kwargs,
-                                          state_sharding=self.state_sharding, mesh=mesh)
+                                          state_sharding=self.state_sharding, mesh=mesh,
+                                          load_balancing_weight=t.load_balancing_weight,
+                                          router_z_weight=t.router_z_weight,
+                                          router_bias_rate=t.router_bias_rate)
         self.eval_step = make_eval_step(self.graphdef, self.rest, objective,
                                         objective_kwargs=kwargs, mesh=mesh)
 

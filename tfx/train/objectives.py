@@ -26,9 +26,9 @@ def masked_lm(model, batch: dict, rng: jax.Array, *, mlm_probability: float = 0.
     """BERT masked LM: 15% of the real, non-special tokens are chosen (80% -> [MASK], 10% ->
     random, 10% kept) and predicted. batch: "input_ids" int [batch, seq], "attention_mask"
     bool [batch, seq]."""
-    c = model.config
-    specials = tuple(sorted({c.pad_token_id, c.cls_token_id, c.sep_token_id, c.mask_token_id}))
-    inputs, chosen = mask_tokens(rng, batch["input_ids"], mask_token_id=c.mask_token_id,
+    c, t = model.config, model.config.special_tokens
+    specials = tuple(sorted({t.pad_id, t.cls_id, t.sep_id, t.mask_id}))
+    inputs, chosen = mask_tokens(rng, batch["input_ids"], mask_token_id=t.mask_id,
                                  vocab_size=c.vocab_size, special_ids=specials,
                                  probability=mlm_probability)
     hidden = model(inputs, attention_mask=batch["attention_mask"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from flax import nnx
 from tfx.models.config import TransformerConfig
 from tfx.models.presets import create
 from tfx.train.checkpoint import Checkpoints, config_diff
-from tfx.train.config import experiment_from_dict, run_identity
+from tfx.train.config import experiment_from_dict, run_identity, stored_identity
 from tfx.train.optim import make_optimizer
 from tfx.train.step import init_train_state
 
@@ -32,7 +33,7 @@ def pretrained_params(workdir: str | Path, model: TransformerConfig) -> nnx.Stat
                          f"{path})")
     base = experiment_from_dict(json.loads(path.read_text()))
     if base.model != model:
-        diffs = config_diff(base.model.__dict__, model.__dict__, "model")
+        diffs = config_diff(dataclasses.asdict(base.model), dataclasses.asdict(model), "model")
         raise ValueError(f"train.init_from: {workdir} trained another model; differing fields "
                          "(base vs this run): " + "; ".join(f"{k}: {o!r} vs {n!r}"
                                                             for k, o, n in diffs))
@@ -48,7 +49,8 @@ def pretrained_params(workdir: str | Path, model: TransformerConfig) -> nnx.Stat
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                             jax.eval_shape(abstract_state))
-    with Checkpoints(path.parent, config=run_identity(base), read_only=True) as checkpoints:
+    with Checkpoints(path.parent, config=run_identity(base), read_only=True,
+                     stored_form=stored_identity) as checkpoints:
         restored = checkpoints.restore(template, strict=True)  # never silently an older step
     if restored is None:
         raise ValueError(f"train.init_from: {workdir} holds no checkpoint yet")

@@ -24,10 +24,13 @@ import optax
 from flax import nnx
 
 from tfx.nn.paths import path_name
+from tfx.train.config import TrainConfig
 from tfx.train.experts import MOE_METRICS, add_moe_losses, balance_experts, expert_loads
 
 __all__ = ["MOE_METRICS", "NonFinite", "TrainState", "finish_eval", "init_train_state",
            "make_eval_step", "make_train_step"]
+
+_TRAIN = TrainConfig()  # the defaults of the MoE training settings
 
 
 @jax.tree_util.register_dataclass
@@ -115,7 +118,10 @@ def _merge(graphdef, params, frozen, rest, rng, *, train: bool):
 def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
                     optimizer: optax.GradientTransformation, objective: Callable, *,
                     grad_accum: int = 1, objective_kwargs: dict | None = None,
-                    state_sharding=None, mesh: jax.sharding.Mesh | None = None) -> Callable:
+                    state_sharding=None, mesh: jax.sharding.Mesh | None = None,
+                    load_balancing_weight: float = _TRAIN.load_balancing_weight,
+                    router_z_weight: float = _TRAIN.router_z_weight,
+                    router_bias_rate: float = _TRAIN.router_bias_rate) -> Callable:
     """Compile `(state, batch) -> (state, metrics)`; a non-finite step is skipped (see the
     module docstring).
 
@@ -128,6 +134,9 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
       argument is donated.
     mesh: the mesh the step is traced under; mixture-of-experts layers split their experts
       over its "expert" axis (expert parallelism).
+    load_balancing_weight, router_z_weight, router_bias_rate: a model with experts' training
+      settings (tfx.train.config.TrainConfig): the weights of its routing losses in the loss,
+      and the step of its "deepseek" selection biases.
     """
     kwargs = objective_kwargs or {}
 
@@ -135,7 +144,9 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
         def loss_sum(p):
             model = _merge(graphdef, p, frozen, rest, rng, train=True)
             total, count, metrics = objective(model, batch, jax.random.fold_in(rng, 0), **kwargs)
-            total, metrics = add_moe_losses(model, total, count, metrics)
+            total, metrics = add_moe_losses(model, total, count, metrics,
+                                            load_balancing_weight=load_balancing_weight,
+                                            router_z_weight=router_z_weight)
             return total, (count, metrics, expert_loads(model))
         (total, (count, metrics, loads)), grads = jax.value_and_grad(loss_sum,
                                                                      has_aux=True)(params)
@@ -169,8 +180,7 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         if loads:
-            config = _merge(graphdef, state.params, state.frozen, rest, rng, train=False).config
-            params = balance_experts(state.params, params, loads, config.router_bias_rate)
+            params = balance_experts(state.params, params, loads, router_bias_rate)
         metrics = {"loss": total / count, "grad_norm": optax.tree.norm(grads),
                    **_ratios(sums)}
         return _advance(state, params, opt_state, metrics), metrics
