@@ -12,8 +12,6 @@ import dataclasses
 import pathlib
 import re
 
-import pytest
-
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "tfx"
 MAX_FUNCTION_LINES = 50
 MAX_CONFIG_FIELDS = 20
@@ -91,8 +89,6 @@ def test_sharding_rules_use_no_regular_expressions():
     assert not offenders, f"rules.py imports re: {offenders}"
 
 
-@pytest.mark.xfail(strict=True, reason="model configs are being grouped into sub-configs "
-                                       "(issue 18)")
 def test_model_configs_have_at_most_20_fields():
     from tfx.models import config  # here: the other checks only read the source
 
