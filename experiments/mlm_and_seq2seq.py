@@ -88,7 +88,7 @@ def measure_checkpoints(experiment: Experiment, workdir: Path,
         points = [{"step": 0, **measure(trainer)}]
         for step in trainer.checkpoints.all_steps():
             _, values = trainer.checkpoints.restore(trainer.state.to_dict(), step=step)
-            trainer.state = trainer.state.replace(**values)
+            trainer.state = dataclasses.replace(trainer.state, **values)
             points.append({"step": step, **measure(trainer)})
     finally:
         trainer.close()

@@ -117,6 +117,19 @@ def test_save_rejects_unknown_architecture(tmp_path):
         hf.save(_model(), tmp_path / "out", architecture="GPTJForCausalLM")
 
 
+def test_load_takes_the_compute_dtype_as_design_lists_it(tmp_path):
+    """`tfx.hf.load(path, dtype=)`: the compute dtype, with the other compute settings kept."""
+    import jax.numpy as jnp
+
+    model = create("llama-tiny", rngs=nnx.Rngs(0), num_layers=1, d_model=32, num_heads=4,
+                   attention={"num_kv_heads": 2}, d_ff=64, vocab_size=50)
+    hf.save(model, tmp_path / "llama", architecture="LlamaForCausalLM")
+    fast = hf.load(tmp_path / "llama", dtype="bfloat16", compute={"scan_layers": True})
+    assert fast.config.compute.dtype == "bfloat16" and fast.config.compute.scan_layers
+    assert fast.hidden_states(jnp.arange(6)[None]).dtype == jnp.bfloat16
+    assert fast.stack.layers.attention.query.kernel[...].dtype == jnp.float32
+
+
 def test_save_and_load_with_scanned_layers(tmp_path):
     """A checkpoint written by tfx loads into per-layer and scanned models alike."""
     import jax.numpy as jnp

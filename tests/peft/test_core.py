@@ -10,10 +10,12 @@ from safetensors.numpy import load_file, save_file
 
 from tfx import peft
 from tfx.models import create
-from tfx.models.block import RematBlock
+from tfx.models.block import Block, RematBlock
+from tfx.models.stack import Embeddings
 from tfx.nn import Attention
+from tfx.peft import adapters, prefix, prompt
 from tfx.peft.adapters import Adapted
-from tfx.peft.prefix import Prefixed, detach
+from tfx.peft.prefix import Prefixed
 
 SMALL = dict(vocab_size=40, d_model=32, num_layers=2, num_heads=4, d_ff=48, dropout=0.0)
 IDS = jnp.arange(12).reshape(2, 6) % 40
@@ -39,14 +41,19 @@ def test_adapters_on_rematerialised_layers_keep_both():
     chex.assert_trees_all_close(nnx.grad(loss)(remat), nnx.grad(loss)(plain), atol=1e-6)
 
 
-def test_detach_restores_the_plain_attention_and_its_logits():
+def test_detach_restores_the_plain_model_and_its_logits():
     model = _model()
-    before = model(IDS)
+    before, state = model(IDS), nnx.state(model)
     peft.Prefix(num_tokens=2).attach(model, rngs=nnx.Rngs(1))
+    peft.Adapters(size=4).attach(model, rngs=nnx.Rngs(2))
+    peft.SoftPrompt(num_tokens=3).attach(model, rngs=nnx.Rngs(3))
     assert not np.allclose(model(IDS), before)
-    detach(model)
-    assert type(model.stack.layers[0].attention) is Attention
-    assert not hasattr(model.stack.layers[0].attention, "prefix")
+    prefix.detach(adapters.detach(prompt.detach(model)))
+    block = model.stack.layers[0]
+    assert type(block) is Block and type(block.attention) is Attention
+    assert type(model.embeddings) is Embeddings
+    assert not hasattr(block.attention, "prefix") and not hasattr(block, "mlp_adapter")
+    chex.assert_trees_all_equal(nnx.state(model), state)
     chex.assert_trees_all_equal(model(IDS), before)
 
 

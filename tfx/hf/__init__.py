@@ -37,7 +37,8 @@ def __getattr__(name):  # SUPPORTED is computed lazily to keep imports light
     raise AttributeError(name)
 
 
-def load(path: str | pathlib.Path, *, strict: bool = True, **overrides) -> nnx.Module:
+def load(path: str | pathlib.Path, *, dtype: str | None = None, strict: bool = True,
+         **overrides) -> nnx.Module:
     """Load a transformers save_pretrained folder.
 
     Args:
@@ -46,6 +47,8 @@ def load(path: str | pathlib.Path, *, strict: bool = True, **overrides) -> nnx.M
         Without an index only `model.safetensors` is read. Every file must lie in the folder
         (index entries with absolute paths or `..`, and symlinks out of it, are refused; a
         Hugging Face cache snapshot's links into its blobs/ are fine). See `tfx.hf.io`.
+      dtype: compute dtype ("float32", "bfloat16", "float16"; weights stay float32), the
+        same as `compute={"dtype": dtype}`; None keeps the platform's default.
       strict: every tensor the model needs must be in the checkpoint, and every tensor of the
         checkpoint must have a place in the model the config describes (tied copies of the
         embeddings, checked equal, and the buffers transformers ignores too, e.g. BERT's
@@ -72,6 +75,8 @@ def load(path: str | pathlib.Path, *, strict: bool = True, **overrides) -> nnx.M
     architecture = _architecture(hf_config, folder)
     family = _families()[architecture]
     config = family.config_from_hf(hf_config, architecture)
+    if dtype is not None:
+        overrides["compute"] = {**overrides.get("compute", {}), "dtype": dtype}
     if overrides:
         config = config.replace(**overrides)
     checkpoint = io.read_tensors(folder)  # headers only

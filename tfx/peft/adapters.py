@@ -22,9 +22,9 @@ from flax import nnx
 from tfx.models.block import Block
 from tfx.models.stack import Stack
 from tfx.ops.activations import ACTIVATIONS
-from tfx.peft.core import PeftParam, extend, find_modules
+from tfx.peft.core import PeftParam, extend, find_modules, retract
 
-__all__ = ["PLACEMENTS", "Adapted", "Adapter", "Adapters"]
+__all__ = ["PLACEMENTS", "Adapted", "Adapter", "Adapters", "detach"]
 
 # The AdaptedBlock attributes that each placement fills.
 PLACEMENTS = {"houlsby": ("attention_adapter", "mlp_adapter"), "pfeiffer": ("mlp_adapter",)}
@@ -150,6 +150,15 @@ class Adapters:
                                                 or block.cross_attention is not None)
                     setattr(block, hook, build(rngs) if wanted else nnx.data(None))
         return model
+
+
+def detach(model: nnx.Module) -> nnx.Module:
+    """Remove every adapter from `model` (in place): its Blocks become plain again."""
+    for _, block in find_modules(model, Adapted):
+        for hook in ("attention_adapter", "cross_adapter", "mlp_adapter"):
+            delattr(block, hook)
+        retract(block, Adapted)
+    return model
 
 
 def _layers(stack: Stack) -> list[Block]:

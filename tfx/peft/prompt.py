@@ -21,9 +21,9 @@ from tfx.models.decoder import Decoder
 from tfx.models.encoder import Encoder
 from tfx.models.encoder_decoder import EncoderDecoder
 from tfx.models.stack import Embeddings
-from tfx.peft.core import PeftParam, extend
+from tfx.peft.core import PeftParam, extend, retract
 
-__all__ = ["INITS", "Prompt", "Prompted", "SoftPrompt"]
+__all__ = ["INITS", "Prompt", "Prompted", "SoftPrompt", "detach"]
 
 # "random": normal(init_std); "vocab": the embeddings of G token ids drawn uniformly from the
 # vocabulary; "text": the embeddings of `text_ids` repeated / cut to G tokens.
@@ -60,6 +60,15 @@ class Prompted(Embeddings):
 def embeddings_of(model: Decoder | Encoder | EncoderDecoder) -> Embeddings:
     """The embeddings a model's soft prompt goes into (an encoder–decoder's encoder side)."""
     return model.encoder_embeddings if isinstance(model, EncoderDecoder) else model.embeddings
+
+
+def detach(model: Decoder | Encoder | EncoderDecoder) -> Decoder | Encoder | EncoderDecoder:
+    """Remove the soft prompt from `model` (in place), if it has one; returns it."""
+    embeddings = embeddings_of(model)
+    if isinstance(embeddings, Prompted):
+        del embeddings.prompt
+        retract(embeddings, Prompted)
+    return model
 
 
 @dataclasses.dataclass(frozen=True)
