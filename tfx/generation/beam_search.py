@@ -120,6 +120,26 @@ def _gather(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
+def _join_finished(hypotheses: tuple, candidates: jax.Array, penalised: jax.Array,
+                   take: jax.Array) -> tuple:
+    """The best `beams` of the finished hypotheses (tokens [batch, beams, steps], scores and
+    flags [batch, beams]) and of the candidates `take` marks (tokens [batch, keep, steps],
+    length-penalised scores [batch, keep])."""
+    finished, finished_scores, is_finished = hypotheses
+    merged = jnp.concatenate([finished_scores, jnp.where(take, penalised, -jnp.inf)], axis=1)
+    finished_scores, best = jax.lax.top_k(merged, finished_scores.shape[1])
+    return (_gather(jnp.concatenate([finished, candidates], axis=1), best), finished_scores,
+            _gather(jnp.concatenate([is_finished, take], axis=1), best))
+
+
+def _settled(best_running: jax.Array, finished_scores: jax.Array,
+             is_finished: jax.Array) -> jax.Array:
+    """bool [batch]: rows whose finished hypotheses no running beam can beat any more
+    (transformers' heuristic: the best running score [batch], penalised at the current or
+    the maximal length, is no better than the worst finished one)."""
+    return jnp.all(is_finished, axis=1) & (best_running <= finished_scores.min(axis=1))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_beams", "max_new_tokens"))
 def _beam_search(graphdef, state, ids, mask, eos, pad_token_id, length_penalty, early_stopping,
                  *, num_beams: int, max_new_tokens: int):
@@ -164,20 +184,14 @@ def _beam_search(graphdef, state, ids, mask, eos, pad_token_id, length_penalty, 
                            .reshape(-1))
 
         # Ending candidates among the first `beams` join the finished hypotheses of open rows.
-        full = jnp.all(is_finished, axis=1) & stop_when_full
-        accept = (ends & (jnp.arange(keep) < beams) & (open_rows & ~full)[:, None])
-        penalised = scores / (i + 1).astype(jnp.float32) ** length_penalty
-        merged = jnp.concatenate([finished_scores, jnp.where(accept, penalised, -jnp.inf)], 1)
-        finished_scores, best = jax.lax.top_k(merged, beams)
-        finished = _gather(jnp.concatenate([finished, candidates], axis=1), best)
-        is_finished = _gather(jnp.concatenate([is_finished, accept], axis=1), best)
-
-        # Could a running beam still beat the worst finished hypothesis? (transformers'
-        # heuristic: the best running score, penalised at the current or the maximal length.)
+        take = ends & (jnp.arange(keep) < beams) & (
+            open_rows & ~(jnp.all(is_finished, axis=1) & stop_when_full))[:, None]
+        finished, finished_scores, is_finished = _join_finished(
+            (finished, finished_scores, is_finished), candidates,
+            scores / (i + 1).astype(jnp.float32) ** length_penalty, take)
         length = jnp.where(never, steps, i + 1).astype(jnp.float32)
-        best_running = running_scores[:, 0] / length**length_penalty
-        settled = jnp.all(is_finished, axis=1) & (best_running <= finished_scores.min(axis=1))
-        open_rows = open_rows & ~settled
+        open_rows = open_rows & ~_settled(running_scores[:, 0] / length**length_penalty,
+                                          finished_scores, is_finished)
         return (i + 1, weights, running[:, :, i].reshape(-1), cache, running, running_scores,
                 finished, finished_scores, is_finished, open_rows)
 

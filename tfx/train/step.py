@@ -155,26 +155,8 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
     @_under(mesh)
     def train_step(state: TrainState, batch: dict):
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        if grad_accum == 1:
-            grads, total, count, sums, loads = sums_and_grads(state.params, state.frozen, batch,
-                                                              rng)
-        else:
-            # Micro-batch i takes rows i, i + grad_accum, ...: strided, so that each micro-batch
-            # stays spread over every device of a sharded batch axis.
-            micro = jax.tree.map(
-                lambda x: x.reshape(-1, grad_accum, *x.shape[1:]).swapaxes(0, 1), batch)
-
-            def accumulate(carry, xs):
-                index, micro_batch = xs
-                out = sums_and_grads(state.params, state.frozen, micro_batch,
-                                     jax.random.fold_in(rng, index))
-                return jax.tree.map(jnp.add, carry, out), None
-
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
-                sums_and_grads, state.params, state.frozen, jax.tree.map(lambda x: x[0], micro),
-                rng))
-            (grads, total, count, sums, loads), _ = jax.lax.scan(
-                accumulate, zeros, (jnp.arange(grad_accum), micro))
+        grads, total, count, sums, loads = _accumulated(
+            sums_and_grads, state.params, state.frozen, batch, rng, grad_accum)
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: g / count.astype(g.dtype), grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -189,6 +171,26 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
     return jax.jit(train_step, donate_argnums=0,
                    compiler_options=compiler_options(has_experts=_has_experts(rest)),
                    **shardings)
+
+
+def _accumulated(sums_and_grads: Callable, params, frozen, batch: dict, rng, grad_accum: int):
+    """`sums_and_grads(params, frozen, batch, rng)` summed over grad_accum micro-batches
+    (one call when grad_accum is 1), under lax.scan so that one micro-batch is compiled."""
+    if grad_accum == 1:
+        return sums_and_grads(params, frozen, batch, rng)
+    # Micro-batch i takes rows i, i + grad_accum, ...: strided, so that each micro-batch stays
+    # spread over every device of a sharded batch axis.
+    micro = jax.tree.map(lambda x: x.reshape(-1, grad_accum, *x.shape[1:]).swapaxes(0, 1), batch)
+
+    def accumulate(carry, xs):
+        index, micro_batch = xs
+        out = sums_and_grads(params, frozen, micro_batch, jax.random.fold_in(rng, index))
+        return jax.tree.map(jnp.add, carry, out), None
+
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
+        sums_and_grads, params, frozen, jax.tree.map(lambda x: x[0], micro), rng))
+    out, _ = jax.lax.scan(accumulate, zeros, (jnp.arange(grad_accum), micro))
+    return out
 
 
 def _advance(state: TrainState, params, opt_state, metrics: dict) -> TrainState:
