@@ -101,8 +101,13 @@ class Attention(nnx.Module):
             in self-attention, 0 .. kv_len - 1 in cross-attention).
           cache: a cache kind of `tfx.nn.caches` (a KV cache layer with its step, which then
             supplies positions and the mask, or a Transformer-XL memory), or None.
-          mask, bias, is_causal, sparsity, query_segment_ids, key_segment_ids: as in
-            `tfx.ops.dot_product_attention` (masks broadcast to [batch, heads, q_len, kv_len]).
+          mask: bool, broadcastable to [batch, heads, q_len, kv_len], as in
+            `tfx.ops.dot_product_attention`.
+          bias: as in `tfx.ops.dot_product_attention`.
+          is_causal: as in `tfx.ops.dot_product_attention`.
+          sparsity: as in `tfx.ops.dot_product_attention`.
+          query_segment_ids: as in `tfx.ops.dot_product_attention`.
+          key_segment_ids: as in `tfx.ops.dot_product_attention`.
         Returns:
           [batch, q_len, d_model]; with a cache, also the layer's next cache state (LayerKV,
           or the memory shifted by q_len, without gradient).

@@ -17,7 +17,8 @@ class TokenEmbedding(nnx.Module):
     """A [vocab_size, d_model] table; also the tied output projection (`attend`).
 
     Args:
-      vocab_size, d_model: table shape.
+      vocab_size: rows of the table.
+      d_model: width of each row.
       one_hot: compute the lookup as one_hot(ids) @ table, the matrix view of embedding used in
         teaching; the default gather gives the same numbers without the [.., vocab] one-hot.
       init_std: standard deviation of the normal initialisation (GPT-2 / BERT use 0.02).

@@ -17,7 +17,8 @@ class MLP(nnx.Module):
     """down(act(up(x))), or down(act(gate(x)) * up(x)) when `gated` (SwiGLU: silu, GeGLU: gelu).
 
     Args:
-      d_model, d_ff: model and hidden widths.
+      d_model: model width (input and output).
+      d_ff: hidden width.
       activation: a key of ACTIVATIONS.
       gated: the gated form (LLaMA, Mistral, T5 v1.1) with a third projection.
       use_bias: biases on the projections (GPT-2, BERT: True; LLaMA, T5: False).

@@ -51,9 +51,12 @@ class MoE(nnx.Module):
     weighted by the router (see `tfx.ops.moe.route` for the policies, capacity and losses).
 
     Args:
-      d_model, d_ff: model width and each expert's hidden width.
-      num_experts, experts_per_token: E and k.
-      activation, gated: the experts' MLP form (gated silu = SwiGLU, as Mixtral).
+      d_model: model width.
+      d_ff: each expert's hidden width.
+      num_experts: E, the number of experts.
+      experts_per_token: k, the experts each token is sent to.
+      activation: the experts' activation (gated silu = SwiGLU, as Mixtral).
+      gated: the experts' gated MLP form, as in `MLP`.
       capacity_factor: None for dropless routing.
       policy: "topk", "gshard" or "deepseek"; with "deepseek" the block holds a
         `selection_bias` [E] (a Param that tfx.train moves toward balance instead of

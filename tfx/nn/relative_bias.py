@@ -18,7 +18,8 @@ class RelativePositionBias(nnx.Module):
     Args:
       num_heads: heads of the attention it biases.
       bidirectional: True in encoders, False in causal decoders.
-      num_buckets, max_distance: T5's bucket parameters (32 and 128 by default).
+      num_buckets: T5's number of buckets (32 by default).
+      max_distance: T5's largest distance with its own buckets (128 by default).
     """
 
     def __init__(self, num_heads: int, *, bidirectional: bool, num_buckets: int = 32,

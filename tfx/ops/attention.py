@@ -173,8 +173,11 @@ def cached_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
 
     Args:
       query: [batch, q_len, num_heads, head_dim].
-      key: [batch, num_kv_heads, kv_len, head_dim]; value: [batch, num_kv_heads, kv_len, value_dim].
-      bias, mask, scale: as in `dot_product_attention` (a -inf bias hides its key).
+      key: [batch, num_kv_heads, kv_len, head_dim].
+      value: [batch, num_kv_heads, kv_len, value_dim].
+      bias: as in `dot_product_attention` (a -inf bias hides its key).
+      mask: as in `dot_product_attention`.
+      scale: as in `dot_product_attention`.
     Returns:
       [batch, q_len, num_heads, value_dim] in the dtype of value; zeros for rows that see no
       key, and for kv_len = 0.

@@ -53,9 +53,11 @@ def block_plan(
 
     Args:
       spec: the static mask (top-left aligned), or None for "every key is visible".
-      q_len, kv_len: unpadded lengths; keys at kv_len and beyond (padding of the last block)
-        are never visible.
-      block_q, block_k: tile sizes.
+      q_len: unpadded query length.
+      kv_len: unpadded key length; keys at kv_len and beyond (padding of the last block) are
+        never visible.
+      block_q: tile size along the queries.
+      block_k: tile size along the keys.
     Returns:
       a BlockPlan with ceil(q_len / block_q) rows.
     """

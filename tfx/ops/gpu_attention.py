@@ -41,7 +41,8 @@ def cudnn_attention(query: jax.Array, key: jax.Array, value: jax.Array, bias: ja
 
     Args:
       query: [batch, q_len, num_heads, head_dim], float16 or bfloat16.
-      key, value: [batch, kv_len, num_kv_heads, head_dim]; cuDNN reads GQA heads in place.
+      key: [batch, kv_len, num_kv_heads, head_dim]; cuDNN reads GQA heads in place.
+      value: [batch, kv_len, num_kv_heads, head_dim].
       bias: None or broadcastable to [batch, num_heads, q_len, kv_len]; cuDNN adds it in the
         input dtype.
       spec: None, causal or a causal sliding window (see `cudnn_mask`).

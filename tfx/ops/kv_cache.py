@@ -157,8 +157,8 @@ def write(layer: LayerKV, key: jax.Array, value: jax.Array,
 
     Args:
       layer: the layer's cache, [batch, num_kv_heads, cache_len, head_dim] each.
-      key, value: [batch, q_len, num_kv_heads, head_dim], already rotated (RoPE) at their
-        positions.
+      key: [batch, q_len, num_kv_heads, head_dim], already rotated (RoPE) at its positions.
+      value: [batch, q_len, num_kv_heads, head_dim].
       step: from `KVCache.plan`.
     Returns:
       keys and values to attend, heads-major [batch, num_kv_heads, kv_len, head_dim] (kv_len as
@@ -188,7 +188,10 @@ def init_cache(*, num_layers: int, batch: int, max_len: int, num_kv_heads: int, 
     so its memory does not grow with the sequence.
 
     Args:
-      num_layers, batch, num_kv_heads, head_dim: positive ints.
+      num_layers: positive int.
+      batch: positive int.
+      num_kv_heads: positive int.
+      head_dim: positive int.
       max_len: the largest true position + 1 that will be decoded. A linear cache cannot
         grow inside jit: tokens at positions >= max_len are not stored (and so not attended),
         which is why `tfx.generate` sizes the cache itself and checks lengths first.

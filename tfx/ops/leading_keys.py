@@ -23,14 +23,19 @@ def prepend_keys(leading: tuple[jax.Array, jax.Array], key: jax.Array, value: ja
       leading: keys and values, each [num_leading, num_kv_heads, head_dim] (shared by the
         batch; already "rotated": RoPE is not applied to them, as with Hugging Face
         past_key_values).
-      key, value: [batch, kv_len, num_kv_heads, head_dim], or heads-major
+      key: [batch, kv_len, num_kv_heads, head_dim], or heads-major
         [batch, num_kv_heads, kv_len, head_dim] (caches) when `heads_major`.
-      mask, bias: broadcastable to [batch, heads, q_len, kv_len]. Every query sees all leading
-        columns (mask True), and their bias is 0: ALiBi, T5 and Transformer-XL position terms
-        describe distances between real tokens, which leading vectors have none of.
+      value: laid out as key.
+      mask: broadcastable to [batch, heads, q_len, kv_len]. Every query sees all leading
+        columns (mask True).
+      bias: broadcastable to [batch, heads, q_len, kv_len]; 0 over the leading columns:
+        ALiBi, T5 and Transformer-XL position terms describe distances between real tokens,
+        which leading vectors have none of.
       spec: the static mask (causal, sparsity) over the real keys, or None.
-      query_segment_ids, key_segment_ids: packed sequences; folded into the mask (the leading
-        keys belong to every segment), which costs a [batch, 1, q_len, kv_len] bool mask.
+      query_segment_ids: packed sequences; folded with key_segment_ids into the mask (the
+        leading keys belong to every segment), which costs a [batch, 1, q_len, kv_len] bool
+        mask.
+      key_segment_ids: the keys' segments, as query_segment_ids.
     Returns:
       (key, value, mask, bias, sparsity): keys and values with num_leading + kv_len keys in
       the same layout, and the mask, bias and static spec (`LeadingKeys`) for them.

@@ -62,7 +62,8 @@ def sample_logits(logits: jax.Array, rng: jax.Array | None, *, temperature: jax.
       logits: float [batch, vocab].
       rng: a jax.random key (unused, and may be None, when the temperature is a Python 0.0).
       temperature: float scalar >= 0; 0 is greedy (argmax), ignoring top_k / top_p.
-      top_k, top_p: see `filter_logits`; None switches a filter off.
+      top_k: see `filter_logits`; None switches the filter off.
+      top_p: see `filter_logits`; None switches the filter off.
     Returns:
       int32 [batch].
     """

@@ -78,7 +78,9 @@ class Adapters:
       size: bottleneck width; None: d_model // reduction.
       reduction: d_model / size when size is None (16, as in Pfeiffer et al.).
       activation: a key of tfx.ops.activations.ACTIVATIONS.
-      init_std, zero_up, use_bias: see `Adapter`.
+      init_std: see `Adapter`.
+      zero_up: see `Adapter`.
+      use_bias: see `Adapter`.
       cross_attention: also an adapter after every cross-attention (encoder–decoders).
     """
 

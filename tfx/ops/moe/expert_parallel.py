@@ -95,9 +95,14 @@ def expert_parallel_moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertW
         by its size.
       mesh: a Mesh or AbstractMesh (inside `jax.set_mesh`, `jax.sharding.get_abstract_mesh()`).
         Axes other than the batch and expert axes (e.g. "tensor") compute redundantly.
-      num_selected, policy, capacity_factor, jitter, priority, selection_bias (replicated),
-        token_mask ([tokens] bool, split like x): as in `route`, applied to each group's own
-        tokens, so the capacity is ceil(cf · group tokens · k / E) per group.
+      num_selected: as in `route`.
+      policy: as in `route`.
+      capacity_factor: as in `route`, applied to each group's own tokens, so the capacity is
+        ceil(cf · group tokens · k / E) per group.
+      jitter: as in `route`.
+      priority: as in `route`.
+      selection_bias: as in `route`, replicated.
+      token_mask: [tokens] bool, split like x; as in `route`.
       rng: folded with the group's index, so that the groups draw different noise.
       activation: a key of tfx.ops.activations.ACTIVATIONS.
       exchange: None (the platform's: "ragged" on GPU and TPU, else "fixed"), "fixed" or

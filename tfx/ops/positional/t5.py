@@ -113,7 +113,8 @@ def t5_relative_bias(
         num_buckets is read from its shape.
       query_positions: int `[q_len]` or `[batch, q_len]` (e.g. `arange(q_len) + cache_length`).
       key_positions: int `[kv_len]` or `[batch, kv_len]`, same rank as query_positions.
-      bidirectional, max_distance: as in `t5_relative_position_bucket`.
+      bidirectional: as in `t5_relative_position_bucket`.
+      max_distance: as in `t5_relative_position_bucket`.
     Returns:
       `[heads, q_len, kv_len]`, or `[batch, heads, q_len, kv_len]` for batched positions, in the
       table's dtype; add it to the (unscaled) attention logits.

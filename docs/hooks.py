@@ -1,0 +1,53 @@
+"""mkdocs hooks: the README as the site's guide page, and a check that the API pages name
+every public module.
+
+The README links to result tables and plots under experiments/results/ and
+benchmarks/results/; those files join the site too, so the strict build checks each link and
+anchor of the README instead of skipping them.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import re
+
+from mkdocs.structure.files import File, Files
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ("experiments/results", "benchmarks/results")
+log = logging.getLogger("mkdocs.hooks.tfx")
+
+
+def on_files(files: Files, config) -> Files:
+    files.append(File.generated(config, "guide.md", abs_src_path=str(ROOT / "README.md")))
+    for folder in RESULTS:
+        for path in sorted((ROOT / folder).glob("*")):
+            if path.suffix in (".md", ".png"):
+                files.append(File.generated(config, f"{folder}/{path.name}",
+                                            abs_src_path=str(path)))
+    _check_modules_named(pathlib.Path(config.docs_dir) / "api")
+    return files
+
+
+def public_modules() -> list[str]:
+    """Dotted names of tfx's modules, except private ones (a leading underscore), the CLI
+    entry points and the top-level package."""
+    names = []
+    for path in sorted((ROOT / "tfx").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if any(p.startswith("_") for p in parts) or parts in (("tfx",), ("tfx", "cli")):
+            continue
+        names.append(".".join(parts))
+    return names
+
+
+def _check_modules_named(api_dir: pathlib.Path) -> None:
+    named = set()
+    for page in api_dir.glob("*.md"):
+        named |= set(re.findall(r"^::: ([\w.]+)", page.read_text(encoding="utf-8"), re.M))
+    for module in sorted(set(public_modules()) - named):
+        # A warning fails the strict build: a new module needs its `::: module` line.
+        log.warning("public module %s is on no page of docs/api/", module)
