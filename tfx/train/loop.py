@@ -35,8 +35,6 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from tfx import parallel
-from tfx.models.presets import create
-from tfx.peft import PeftParam
 from tfx.train.checkpoint import Checkpoints
 from tfx.train.config import Experiment, non_empty_path, run_identity, stored_identity
 from tfx.train.feed import Feed
@@ -45,7 +43,7 @@ from tfx.train.lock import WorkdirLock
 from tfx.train.metrics import MetricsWriter, plot_losses, read_metrics
 from tfx.train.objectives import OBJECTIVE_FUNCTIONS
 from tfx.train.optim import make_optimizer
-from tfx.train.pretrained import pretrained_params
+from tfx.train.run import initial_model
 from tfx.train.step import (
     finish_eval,
     init_train_state,
@@ -106,16 +104,10 @@ class Trainer:
     def _build(self, sharded: bool) -> None:
         """The model, the train state (placed on the mesh) and the compiled steps."""
         experiment, t = self.experiment, self.experiment.train
-        model = create(experiment.model, rngs=nnx.Rngs(t.seed))
-        if t.init_from is not None:
-            nnx.update(model, pretrained_params(t.init_from, experiment.model))
-        method = experiment.peft.settings()
-        if method is not None:  # fine-tune only what the method adds
-            method.attach(model, rngs=nnx.Rngs(t.seed + 1))
+        model, trainable = initial_model(experiment)
         self.optimizer = make_optimizer(experiment.optim, t.steps)
         self.graphdef, self.rest, self.state = init_train_state(
-            model, self.optimizer, seed=t.seed,
-            trainable=nnx.Param if method is None else PeftParam)
+            model, self.optimizer, seed=t.seed, trainable=trainable)
         self.state_sharding = self.batch_sharding = mesh = None
         if sharded and jax.device_count() > 1:  # one device: plain jit, no mesh
             mesh = parallel.mesh_from_config(experiment.mesh)
