@@ -31,14 +31,15 @@ def on_files(files: Files, config) -> Files:
 
 
 def public_modules() -> list[str]:
-    """Dotted names of tfx's modules, except private ones (a leading underscore), the CLI
-    entry points and the top-level package."""
+    """Dotted names of tfx's modules, except private ones (a leading underscore), the `tfx`
+    command (tfx.cli, documented by its --help) and the top-level package."""
     names = []
     for path in sorted((ROOT / "tfx").rglob("*.py")):
         parts = path.relative_to(ROOT).with_suffix("").parts
         if parts[-1] == "__init__":
             parts = parts[:-1]
-        if any(p.startswith("_") for p in parts) or parts in (("tfx",), ("tfx", "cli")):
+        if any(p.startswith("_") for p in parts) or parts == ("tfx",) or parts[:2] == (
+                "tfx", "cli"):
             continue
         names.append(".".join(parts))
     return names
