@@ -1,5 +1,6 @@
 """Stored experiment configs of the flat layout (version 1, before the model configs were
-nested by concern) migrate to the current one (tfx.train.migration) and resume."""
+nested by concern) and of version 2 (one PeftConfig for every fine-tuning method) migrate to the
+current one (tfx.train.migration) and resume."""
 
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ from tfx.models import MoeConfig, NormConfig, SpecialTokens
 from tfx.train.checkpoint import Checkpoints
 from tfx.train.config import experiment_from_dict, run_identity, stored_identity
 from tfx.train.experiments import get_experiment
+from tfx.train.finetuning import (
+    AdapterTuning,
+    FullTuning,
+    LoraTuning,
+    PrefixTuning,
+    PromptTuning,
+)
 from tfx.train.migration import CONFIG_VERSION, migrate
 
 # The config.json that tfx wrote for `tfx train moe_gpt --model.load_balancing_weight=0.0`
@@ -65,7 +73,7 @@ def test_a_flat_moe_run_migrates_to_nested_model_and_training_weights():
     stored = copy.deepcopy(V1_MOE_GPT)
     migrated = migrate(stored)
     assert stored == V1_MOE_GPT  # the input is left alone
-    assert migrated["version"] == CONFIG_VERSION == 2
+    assert migrated["version"] == CONFIG_VERSION == 3
     assert migrated["model"]["moe"] == {"__type__": "MoeConfig", "num_experts": 8,
                                         "experts_per_token": 2, "every": 1, "d_ff": 512,
                                         "capacity_factor": None, "policy": "topk",
@@ -119,3 +127,36 @@ def test_current_runs_store_their_version():
     e = get_experiment("gpt_char")
     assert run_identity(e)["version"] == e.to_dict()["version"] == CONFIG_VERSION
     assert migrate(e.to_dict()) == e.to_dict()
+
+
+# Version 2 stored fine-tuning as one PeftConfig with a method string and every method's fields.
+V2_PEFT = {"__type__": "PeftConfig", "method": "full", "rank": 8, "alpha": 16.0,
+           "targets": ["query", "value"], "init_style": "peft", "rslora": False,
+           "num_tokens": 16, "prompt_init": "vocab", "prefix_projection": 0, "adapter_size": 16,
+           "adapter_placement": "houlsby"}
+
+
+@pytest.mark.parametrize("method,expected", [
+    ("full", FullTuning()),
+    ("lora", LoraTuning(rank=2, targets=("query", "key"))),
+    ("prompt", PromptTuning(num_tokens=3, init="random")),
+    ("prefix", PrefixTuning(num_tokens=3, projection=8)),
+    ("adapter", AdapterTuning(size=4, placement="pfeiffer")),
+])
+def test_a_version_2_fine_tuning_config_becomes_its_methods_dataclass(method, expected):
+    peft = {**V2_PEFT, "method": method, "rank": 2, "targets": ["query", "key"],
+            "num_tokens": 3, "prompt_init": "random", "prefix_projection": 8, "adapter_size": 4,
+            "adapter_placement": "pfeiffer"}
+    stored = {**run_identity(get_experiment("gpt_char")), "version": 2, "peft": peft}
+    experiment = experiment_from_dict(stored)
+    assert experiment.peft == expected
+    # The identity of a resumed version-2 run is that of the same run made now.
+    current = dataclasses.replace(get_experiment("gpt_char"), peft=expected)
+    assert stored_identity(stored) == run_identity(current)
+
+
+def test_an_unknown_version_2_method_is_refused():
+    stored = {**run_identity(get_experiment("gpt_char")), "version": 2,
+              "peft": {**V2_PEFT, "method": "ia3"}}
+    with pytest.raises(ValueError, match=r"peft\.method must be one of"):
+        migrate(stored)

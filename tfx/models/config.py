@@ -11,8 +11,7 @@ validated in `__post_init__` with a message naming it by its dotted path (`moe.n
 from __future__ import annotations
 
 import dataclasses
-
-import jax.numpy as jnp
+from typing import TYPE_CHECKING, Literal, get_args
 
 from tfx.models.parts import (
     COMPUTE_DTYPES,
@@ -27,7 +26,9 @@ from tfx.models.parts import (
     T5BiasConfig,
     positive_int,
 )
-from tfx.ops.backends import default_compute_dtype
+
+if TYPE_CHECKING:
+    import jax.numpy as jnp
 
 __all__ = ["COMPUTE_DTYPES", "OPTIONAL_SUBCONFIGS", "POSITIONS", "SUBCONFIGS",
            "AttentionConfig", "ComputeConfig", "DecoderConfig", "EmbeddingsConfig",
@@ -38,7 +39,8 @@ __all__ = ["COMPUTE_DTYPES", "OPTIONAL_SUBCONFIGS", "POSITIONS", "SUBCONFIGS",
 # How a model knows where tokens are: added to the embeddings ("learned", "sinusoidal"), rotated
 # into queries and keys ("rope"), added to the scores ("alibi", "t5", and Transformer-XL's
 # relative attention "xl", decoders only), or not at all ("none", NoPE).
-POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "t5", "xl", "none")
+Position = Literal["learned", "sinusoidal", "rope", "alibi", "t5", "xl", "none"]
+POSITIONS = get_args(Position)
 
 # The sub-config fields of the model configs and their classes (see `TransformerConfig.replace`).
 SUBCONFIGS = {"rope": RopeConfig, "t5": T5BiasConfig, "attention": AttentionConfig,
@@ -65,6 +67,10 @@ def compute_dtype(config_dtype: str | None, platform: str) -> jnp.dtype | None:
       config_dtype: None or one of "float32", "bfloat16", "float16".
       platform: a platform name as `jax.default_backend()` returns it ("cpu", "gpu", "tpu").
     """
+    import jax.numpy as jnp  # here, not at the top: configs import without jax
+
+    from tfx.ops.backends import default_compute_dtype
+
     if config_dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {config_dtype!r}")
     dtype = config_dtype or default_compute_dtype(platform)
@@ -84,22 +90,39 @@ class TransformerConfig:
     """
 
     vocab_size: int
+    """Token ids are in [0, vocab_size)."""
     d_model: int
+    """Width of the residual stream (hidden size)."""
     num_layers: int
+    """Transformer layers (an encoder-decoder's encoder layers)."""
     num_heads: int
+    """Attention (query) heads."""
     d_ff: int
-    max_len: int = 2048  # learned positions: table size; otherwise informative
-    position: str = "learned"
-    rope: RopeConfig | None = None  # None unless position="rope" (which defaults it)
-    t5: T5BiasConfig | None = None  # None unless position="t5" (which defaults it)
+    """Hidden width of the MLP."""
+    max_len: int = 2048
+    """Longest sequence: the table size of learned positions; otherwise informative."""
+    position: Position = "learned"
+    """How the model knows where tokens are (POSITIONS)."""
+    rope: RopeConfig | None = None
+    """Rotary settings; None unless position="rope" (which defaults it)."""
+    t5: T5BiasConfig | None = None
+    """T5 bias settings; None unless position="t5" (which defaults it)."""
     attention: AttentionConfig = dataclasses.field(default_factory=AttentionConfig)
+    """Heads, kernel, windows and sparse patterns."""
     mlp: MlpConfig = dataclasses.field(default_factory=MlpConfig)
+    """The feed-forward block."""
     norm: NormConfig = dataclasses.field(default_factory=NormConfig)
+    """Normalisation layers."""
     moe: MoeConfig | None = None
+    """A mixture of experts in place of MLPs; None for a dense model."""
     embeddings: EmbeddingsConfig = dataclasses.field(default_factory=EmbeddingsConfig)
+    """The token embedding table."""
     compute: ComputeConfig = dataclasses.field(default_factory=ComputeConfig)
+    """Dtypes, rematerialisation, scanned layers."""
     use_bias: bool = True
+    """Biases in the attention and MLP projections."""
     dropout: float = 0.0
+    """Dropout rate, applied while the model is in training mode."""
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
@@ -169,7 +192,9 @@ class EncoderConfig(TransformerConfig):
     """Bidirectional encoder (BERT): token types, [CLS] pooler, tied MLM head."""
 
     type_vocab_size: int = 2
+    """Segment (token type) ids are in [0, type_vocab_size)."""
     special_tokens: SpecialTokens = dataclasses.field(default_factory=SpecialTokens)
+    """Ids of [PAD], [CLS], [SEP], [MASK]."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -184,8 +209,11 @@ class EncoderDecoderConfig(TransformerConfig):
     layer. T5 scales the tied output head by d_model**-0.5 (`scale_tied_head`)."""
 
     num_decoder_layers: int | None = None
+    """Decoder layers; None for num_layers."""
     decoder_start_token_id: int = 0
+    """The token that decoder inputs start with."""
     scale_tied_head: bool = False
+    """Scale the tied output head by d_model**-0.5 (T5)."""
 
     def __post_init__(self):
         super().__post_init__()

@@ -1,55 +1,80 @@
 """The sub-configs of a model config, one per concern: frozen dataclasses, each validated in
 `__post_init__` with messages that name the field by its dotted path in the model config
-(`moe.num_experts`, `rope.theta`, ...). `tfx.models.config` assembles them."""
+(`moe.num_experts`, `rope.theta`, ...). `tfx.models.config` assembles them.
+
+This module imports neither jax nor flax, so that `tfx train --help` starts quickly. The
+choices of a field are `typing.Literal` types; the tables that give them their behaviour live
+in tfx/nn and tfx/ops (`tfx.ops.activations.ACTIVATIONS`, `tfx.nn.norms.NORMS`, ...), and
+tests/models/test_config_literals.py checks that the two agree.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Literal, get_args
 
-from tfx.nn.mlp import ACTIVATIONS
-from tfx.nn.norms import NORMS
-from tfx.ops import moe
-from tfx.ops.attention import IMPLEMENTATIONS
-from tfx.ops.positional import RopeScaling
-from tfx.ops.sparse import parse_spec
+if TYPE_CHECKING:
+    from tfx.ops.positional import RopeScaling
+else:  # a runtime annotation that names no jax type (tyro reads it as a fixed field)
+    RopeScaling = object
 
-__all__ = ["COMPUTE_DTYPES", "AttentionConfig", "ComputeConfig", "EmbeddingsConfig",
-           "MlpConfig", "MoeConfig", "NormConfig", "RopeConfig", "SpecialTokens",
-           "T5BiasConfig"]
+__all__ = ["COMPUTE_DTYPES", "Activation", "AttentionConfig", "AttentionImplementation",
+           "ComputeConfig", "Dtype", "EmbeddingsConfig", "MlpConfig", "MoeConfig",
+           "MoeDispatch", "MoePolicy", "NormConfig", "NormKind", "RopeConfig", "RopeLayout",
+           "SpecialTokens", "T5BiasConfig"]
 
-COMPUTE_DTYPES = (None, "float32", "bfloat16", "float16")
+# The names of tfx.ops.activations.ACTIVATIONS.
+Activation = Literal["gelu", "gelu_tanh", "relu", "silu"]
+# tfx.nn.norms.NORMS.
+NormKind = Literal["layer", "rms"]
+# tfx.ops.positional.rope.LAYOUTS.
+RopeLayout = Literal["half", "interleaved"]
+# tfx.ops.attention.IMPLEMENTATIONS.
+AttentionImplementation = Literal["reference", "blocked", "cudnn", "pallas_gpu", "splash"]
+# tfx.ops.moe.POLICIES and tfx.ops.moe.IMPLEMENTATIONS.
+MoePolicy = Literal["topk", "gshard", "deepseek"]
+MoeDispatch = Literal["sorted", "onehot", "ragged", "megablox"]
+# Floating-point dtypes by name; resolved to jnp dtypes where modules are built.
+Dtype = Literal["float32", "bfloat16", "float16"]
+COMPUTE_DTYPES = (None, *get_args(Dtype))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeConfig:
-    """Rotary positions (position="rope"): `theta` the base wavelength, `layout` "half"
-    (rotate_half, LLaMA/NeoX) or "interleaved" (pairs, RoFormer/GPT-J), `scaling` a
-    `tfx.ops.positional` scaling object (linear, ntk, dynamic, yarn, llama3) or None, and
-    `fraction` of each head's dimensions rotated (GPT-NeoX's rotary_pct)."""
+    """Rotary positions (position="rope"), as `tfx.ops.positional.apply_rope` takes them."""
 
     theta: float = 10000.0
-    layout: str = "half"
+    """Base wavelength of the rotations."""
+    layout: RopeLayout = "half"
+    """Which dimensions pair up: "half" (rotate_half, LLaMA/NeoX) or "interleaved" (RoFormer,
+    GPT-J)."""
     scaling: RopeScaling | None = None
+    """A `tfx.ops.positional` scaling object (linear, ntk, dynamic, yarn, llama3) or None."""
     fraction: float = 1.0
+    """Fraction of each head's dimensions rotated (GPT-NeoX's rotary_pct)."""
 
     def __post_init__(self):
         if not self.theta > 0:
             raise ValueError(f"rope.theta must be > 0, got {self.theta}")
-        one_of("rope.layout", self.layout, ("half", "interleaved"))
-        if self.scaling is not None and not isinstance(self.scaling, RopeScaling):
-            raise TypeError(f"rope.scaling must be a RopeScaling or None, got "
-                            f"{type(self.scaling).__name__}")
+        one_of("rope.layout", self.layout, get_args(RopeLayout))
+        if self.scaling is not None:
+            from tfx.ops.positional import RopeScaling  # a scaling object: jax is loaded
+
+            if not isinstance(self.scaling, RopeScaling):
+                raise TypeError(f"rope.scaling must be a RopeScaling or None, got "
+                                f"{type(self.scaling).__name__}")
         if not 0.0 < self.fraction <= 1.0:
             raise ValueError(f"rope.fraction must be in (0, 1], got {self.fraction}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class T5BiasConfig:
-    """T5's relative attention bias (position="t5"): offsets fall into `num_buckets` buckets,
-    logarithmically spaced up to `max_distance`."""
+    """T5's relative attention bias (position="t5")."""
 
     num_buckets: int = 32
+    """Buckets that key-minus-query offsets fall into, logarithmically spaced."""
     max_distance: int = 128
+    """Offsets from this distance on share the last bucket."""
 
     def __post_init__(self):
         positive_int("t5.num_buckets", self.num_buckets)
@@ -58,30 +83,30 @@ class T5BiasConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AttentionConfig:
-    """Self-attention beyond its head count: `num_kv_heads` (None: num_heads, MHA; fewer:
-    GQA; 1: MQA), `head_dim` (None: d_model // num_heads), `scale` of the scores (None:
-    1/sqrt(head_dim); T5: 1.0), the kernel `implementation` (see
-    `tfx.ops.dot_product_attention`; None: the platform's).
-
-    Decoders only (DecoderConfig): `sliding_window` limits how far back a token attends
-    (Mistral), None for full causal attention; `pattern` is a sparse pattern instead, in the
-    text form of `tfx.ops.sparse.parse_spec` (e.g. "window:256|global:16|random:64,2",
-    BigBird), intersected with the causal mask: for training and scoring, as a KV cache cannot
-    hold it (decoding with a cache raises).
-    """
+    """Self-attention beyond its head count. `sliding_window` and `pattern` are for decoders
+    only (DecoderConfig)."""
 
     num_kv_heads: int | None = None
+    """Key/value heads: None for num_heads (MHA), fewer for GQA, 1 for MQA."""
     head_dim: int | None = None
+    """Width of a head; None for d_model // num_heads."""
     scale: float | None = None
-    implementation: str | None = None
+    """Factor of the scores; None for 1/sqrt(head_dim) (T5: 1.0)."""
+    implementation: AttentionImplementation | None = None
+    """Kernel of `tfx.ops.dot_product_attention`; None for the platform's."""
     sliding_window: int | None = None
+    """How far back a token attends (Mistral); None for full causal attention."""
     pattern: str | None = None
+    """A sparse pattern in the text form of `tfx.ops.sparse.parse_spec` (e.g.
+    "window:256|global:16|random:64,2", BigBird), intersected with the causal mask; for
+    training and scoring (a KV cache cannot hold it)."""
 
     def __post_init__(self):
         for name in ("num_kv_heads", "head_dim", "sliding_window"):
             if getattr(self, name) is not None:
                 positive_int(f"attention.{name}", getattr(self, name))
-        one_of("attention.implementation", self.implementation, (None, *IMPLEMENTATIONS))
+        one_of("attention.implementation", self.implementation,
+               (None, *get_args(AttentionImplementation)))
         if self.pattern is not None:
             self._check_pattern()
 
@@ -93,6 +118,8 @@ class AttentionConfig:
             raise ValueError(f"give attention.sliding_window ({self.sliding_window}) or "
                              f"attention.pattern ({self.pattern!r}), not both: a window can be "
                              f"a part of the pattern, 'window:{self.sliding_window}|...'")
+        from tfx.ops.sparse import parse_spec  # only for a pattern: keeps the import light
+
         try:
             parse_spec(self.pattern)
         except ValueError as e:
@@ -101,28 +128,31 @@ class AttentionConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MlpConfig:
-    """The feed-forward block (and the experts of a mixture): `activation` (a name of
-    `tfx.nn.mlp.ACTIVATIONS`), `gated` for GLU variants (SwiGLU with "silu")."""
+    """The feed-forward block (and the experts of a mixture)."""
 
-    activation: str = "gelu"
+    activation: Activation = "gelu"
+    """Nonlinearity (`tfx.ops.activations.ACTIVATIONS`)."""
     gated: bool = False
+    """A gated linear unit (SwiGLU with activation="silu")."""
 
     def __post_init__(self):
-        one_of("mlp.activation", self.activation, tuple(ACTIVATIONS))
+        one_of("mlp.activation", self.activation, get_args(Activation))
         boolean("mlp.gated", self.gated)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class NormConfig:
-    """Normalisation: `kind` "layer" or "rms", `eps`, and `pre_norm` (x + f(norm(x)): GPT-2,
-    LLaMA, T5) or post-norm (norm(x + f(x)): BERT, the original Transformer)."""
+    """Normalisation layers."""
 
-    kind: str = "layer"
+    kind: NormKind = "layer"
+    """LayerNorm ("layer") or RMSNorm ("rms")."""
     eps: float = 1e-5
+    """Added to the variance (BERT 1e-12, GPT-2 1e-5, T5 1e-6)."""
     pre_norm: bool = True
+    """x + f(norm(x)) (GPT-2, LLaMA, T5); False: norm(x + f(x)) (BERT, Vaswani et al.)."""
 
     def __post_init__(self):
-        one_of("norm.kind", self.kind, NORMS)
+        one_of("norm.kind", self.kind, get_args(NormKind))
         if not self.eps > 0:
             raise ValueError(f"norm.eps must be > 0, got {self.eps}")
         boolean("norm.pre_norm", self.pre_norm)
@@ -130,24 +160,28 @@ class NormConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoeConfig:
-    """A mixture of experts (tfx.ops.moe) in place of the MLP of layer i (0-based) when
-    (i + 1) % every == 0. Experts are MLPs of width `d_ff` (None: the model's d_ff) with the
-    model's activation and gating and no biases; each token goes to `experts_per_token` of
-    `num_experts` by the router `policy` ("topk", "gshard", "deepseek"), with `jitter` noise
-    on the router logits in training; `capacity_factor` None is dropless; `dispatch` is
-    `tfx.ops.moe.experts_ffn`'s implementation (None: the platform's); `shared_experts` are
-    always active beside the routed ones (DeepSeek). The training losses' weights and the
+    """A mixture of experts (tfx.ops.moe) in place of some layers' MLP. Experts are MLPs with
+    the model's activation and gating and no biases. The training losses' weights and the
     "deepseek" bias rate are training settings (tfx.train.config.TrainConfig)."""
 
     num_experts: int = 8
+    """Routed experts per layer."""
     experts_per_token: int = 2
+    """Experts that each token goes to."""
     every: int = 1
+    """Layer i (0-based) has experts when (i + 1) % every == 0."""
     d_ff: int | None = None
+    """Width of an expert; None for the model's d_ff."""
     capacity_factor: float | None = None
-    policy: str = "topk"
+    """Tokens an expert takes, as a multiple of its fair share; None: dropless."""
+    policy: MoePolicy = "topk"
+    """Router: top-k, GShard's top-2, or DeepSeek's bias-balanced top-k."""
     jitter: float = 0.0
-    dispatch: str | None = None
+    """Noise on the router logits in training."""
+    dispatch: MoeDispatch | None = None
+    """Implementation of `tfx.ops.moe.experts_ffn`; None for the platform's."""
     shared_experts: int = 0
+    """Experts that every token uses beside the routed ones (DeepSeek)."""
 
     def __post_init__(self):
         for name in ("num_experts", "experts_per_token", "every"):
@@ -160,25 +194,25 @@ class MoeConfig:
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"moe.capacity_factor must be > 0 or None (dropless), got "
                              f"{self.capacity_factor}")
-        one_of("moe.policy", self.policy, moe.POLICIES)
+        one_of("moe.policy", self.policy, get_args(MoePolicy))
         if self.policy == "gshard" and self.experts_per_token != 2:
             raise ValueError("moe.policy 'gshard' routes to 2 experts: moe.experts_per_token "
                              f"must be 2, got {self.experts_per_token}")
         if not 0.0 <= self.jitter < 1.0:
             raise ValueError(f"moe.jitter must be in [0, 1), got {self.jitter}")
-        one_of("moe.dispatch", self.dispatch, (None, *moe.IMPLEMENTATIONS))
+        one_of("moe.dispatch", self.dispatch, (None, *get_args(MoeDispatch)))
         positive_int("moe.shared_experts", self.shared_experts, minimum=0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EmbeddingsConfig:
-    """The token embedding table: `tie` it to the output head; `scale` the token embeddings
-    by sqrt(d_model), as Vaswani et al. 2017 do: with small embeddings (std 0.02) and
-    sinusoidal positions of magnitude 1, the positions would otherwise drown which token it
-    is."""
+    """The token embedding table."""
 
     tie: bool = True
+    """Share the table with the output head."""
     scale: bool = False
+    """Multiply token embeddings by sqrt(d_model), as Vaswani et al. 2017 do: with small
+    embeddings (std 0.02), sinusoidal positions of magnitude 1 would drown the token."""
 
     def __post_init__(self):
         boolean("embeddings.tie", self.tie)
@@ -187,20 +221,22 @@ class EmbeddingsConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ComputeConfig:
-    """How the model runs. `dtype`: compute dtype, e.g. "bfloat16"; None: the platform's
-    default (`tfx.models.config.compute_dtype`: bfloat16 on GPU/TPU, float32 on CPU);
-    parameters stay in `param_dtype` either way. `remat`: rematerialise each layer in the
-    backward pass. `scan_layers`: stack layer weights [num_layers, ...] and run them in
-    nnx.scan (one layer compiled instead of num_layers)."""
+    """How the model runs. Dtypes are names, resolved where the modules are built
+    (`tfx.models.config.compute_dtype`)."""
 
-    dtype: str | None = None
-    param_dtype: str = "float32"
+    dtype: Dtype | None = None
+    """Compute dtype; None for the platform's default (bfloat16 on GPU/TPU, float32 on CPU)."""
+    param_dtype: Dtype = "float32"
+    """Storage dtype of the parameters."""
     remat: bool = False
+    """Rematerialise each layer in the backward pass (less memory, more compute)."""
     scan_layers: bool = False
+    """Stack the layers' weights [num_layers, ...] and run them in nnx.scan: one layer
+    compiled instead of num_layers."""
 
     def __post_init__(self):
         one_of("compute.dtype", self.dtype, COMPUTE_DTYPES)
-        one_of("compute.param_dtype", self.param_dtype, ("float32", "bfloat16", "float16"))
+        one_of("compute.param_dtype", self.param_dtype, get_args(Dtype))
         boolean("compute.remat", self.remat)
         boolean("compute.scan_layers", self.scan_layers)
 
@@ -208,12 +244,16 @@ class ComputeConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SpecialTokens:
     """An encoder's special token ids (BERT's vocabulary by default), for masked-LM training
-    and for building inputs: [PAD], [CLS], [SEP], [MASK]."""
+    and for building inputs."""
 
     pad_id: int = 0
+    """[PAD]."""
     cls_id: int = 101
+    """[CLS], the first token; the pooler reads it."""
     sep_id: int = 102
+    """[SEP], after each segment."""
     mask_id: int = 103
+    """[MASK], what masked-LM training hides tokens behind."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

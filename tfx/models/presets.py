@@ -1,8 +1,11 @@
-"""Named model configurations, and `create` to build a model from a name or a config."""
+"""Named model configurations, and `create` to build a model from a name or a config.
+
+The presets import without jax (the command line lists them before it imports it); `create`
+imports the model modules when it is called."""
 
 from __future__ import annotations
 
-from flax import nnx
+from typing import TYPE_CHECKING
 
 from tfx.models.config import (
     AttentionConfig,
@@ -14,9 +17,13 @@ from tfx.models.config import (
     MoeConfig,
     NormConfig,
 )
-from tfx.models.decoder import Decoder
-from tfx.models.encoder import Encoder
-from tfx.models.encoder_decoder import EncoderDecoder
+
+if TYPE_CHECKING:
+    from flax import nnx
+
+    from tfx.models.decoder import Decoder
+    from tfx.models.encoder import Encoder
+    from tfx.models.encoder_decoder import EncoderDecoder
 
 __all__ = ["PRESETS", "create"]
 
@@ -60,9 +67,6 @@ PRESETS = {
         mlp=MlpConfig(activation="relu"), dropout=0.1, embeddings=EmbeddingsConfig(scale=True)),
 }
 
-_MODELS = {DecoderConfig: Decoder, EncoderConfig: Encoder, EncoderDecoderConfig: EncoderDecoder}
-
-
 def create(config: str | DecoderConfig | EncoderConfig | EncoderDecoderConfig, *,
            rngs: nnx.Rngs | None = None, **overrides) -> Decoder | Encoder | EncoderDecoder:
     """Build a model from a preset name or a config, with optional field overrides
@@ -72,13 +76,20 @@ def create(config: str | DecoderConfig | EncoderConfig | EncoderDecoderConfig, *
     >>> model = create("char-gpt", num_layers=2, rngs=nnx.Rngs(0))
     >>> moe = create("char-gpt", moe={"num_experts": 4}, norm={"eps": 1e-5})
     """
+    from flax import nnx
+
+    from tfx.models.decoder import Decoder
+    from tfx.models.encoder import Encoder
+    from tfx.models.encoder_decoder import EncoderDecoder
+
+    models = {DecoderConfig: Decoder, EncoderConfig: Encoder, EncoderDecoderConfig: EncoderDecoder}
     if isinstance(config, str):
         if config not in PRESETS:
             raise ValueError(f"unknown preset {config!r}; presets: {sorted(PRESETS)}")
         config = PRESETS[config]
-    if type(config) not in _MODELS:
+    if type(config) not in models:
         raise TypeError(f"config must be a preset name or one of "
-                        f"{[c.__name__ for c in _MODELS]}, got {type(config).__name__}")
+                        f"{[c.__name__ for c in models]}, got {type(config).__name__}")
     if overrides:
         config = config.replace(**overrides)
-    return _MODELS[type(config)](config, rngs=rngs or nnx.Rngs(0))
+    return models[type(config)](config, rngs=rngs or nnx.Rngs(0))

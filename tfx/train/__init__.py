@@ -2,14 +2,32 @@
 
 >>> from tfx.train import get_experiment, train
 >>> result = train(get_experiment("gpt_char"), "runs/gpt_char")
+
+Names load on first use: the configs and experiments import without jax (the command line
+reads them), the loop with it.
 """
 
-from tfx.train.checkpoint import CorruptCheckpointError
-from tfx.train.config import DataConfig, Experiment, MeshConfig, OptimConfig, TrainConfig
-from tfx.train.experiments import EXPERIMENTS, get_experiment
-from tfx.train.lock import WorkdirBusyError
-from tfx.train.loop import DivergenceError, Trainer, TrainResult, train
+from typing import TYPE_CHECKING
+
+from tfx._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from tfx.train.checkpoint import CorruptCheckpointError
+    from tfx.train.config import DataConfig, Experiment, MeshConfig, OptimConfig, TrainConfig
+    from tfx.train.experiments import EXPERIMENTS, get_experiment
+    from tfx.train.lock import WorkdirBusyError
+    from tfx.train.loop import DivergenceError, Trainer, TrainResult, train
 
 __all__ = ["EXPERIMENTS", "CorruptCheckpointError", "DataConfig", "DivergenceError", "Experiment",
            "MeshConfig", "OptimConfig", "TrainConfig", "TrainResult", "Trainer",
            "WorkdirBusyError", "get_experiment", "train"]
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "CorruptCheckpointError": "tfx.train.checkpoint:CorruptCheckpointError",
+    **{name: f"tfx.train.config:{name}" for name in
+       ("DataConfig", "Experiment", "MeshConfig", "OptimConfig", "TrainConfig")},
+    "EXPERIMENTS": "tfx.train.experiments:EXPERIMENTS",
+    "get_experiment": "tfx.train.experiments:get_experiment",
+    "WorkdirBusyError": "tfx.train.lock:WorkdirBusyError",
+    **{name: f"tfx.train.loop:{name}" for name in
+       ("DivergenceError", "Trainer", "TrainResult", "train")}})

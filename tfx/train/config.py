@@ -5,13 +5,21 @@ settings + mesh. Frozen, validated dataclasses, overridden from the command line
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Annotated, Literal
+
+import tyro
 
 from tfx.models.config import SUBCONFIGS, DecoderConfig, EncoderConfig, EncoderDecoderConfig
+from tfx.train.finetuning import METHODS, FullTuning, PeftConfig
 from tfx.train.migration import CONFIG_VERSION, migrate
 
 __all__ = ["DataConfig", "Experiment", "MeshConfig", "OptimConfig", "PeftConfig", "TrainConfig",
            "experiment_from_dict", "non_empty_path", "run_identity", "stored_identity"]
+
+# The model sub-configs switch on and off by name (tfx.train.overrides.switch_parts), never as
+# tyro subcommands; the experiment's other unions (peft) are subcommands.
+ModelConfig = Annotated[DecoderConfig | EncoderConfig | EncoderDecoderConfig,
+                        tyro.conf.AvoidSubcommands]
 
 OBJECTIVES = {"causal_lm": DecoderConfig, "mlm": EncoderConfig, "seq2seq": EncoderDecoderConfig}
 
@@ -41,12 +49,19 @@ class OptimConfig:
     """AdamW with linear warmup then cosine decay to `min_lr_ratio`·peak, global-norm clipping."""
 
     learning_rate: float = 1e-3
+    """Peak learning rate."""
     warmup_steps: int = 50
+    """Steps of linear warmup from 0 to the peak."""
     min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay, as a fraction of the peak."""
     weight_decay: float = 0.1
+    """AdamW's decoupled weight decay (matrices only, not vectors)."""
     b1: float = 0.9
+    """Adam's first-moment decay."""
     b2: float = 0.95
-    grad_clip: float | None = 1.0  # None: no clipping
+    """Adam's second-moment decay."""
+    grad_clip: float | None = 1.0
+    """Largest global gradient norm; None for no clipping."""
 
     def __post_init__(self):
         _positive("learning_rate", self.learning_rate)
@@ -77,21 +92,37 @@ class TrainConfig:
     selection biases move by `router_bias_rate` per step toward balance."""
 
     steps: int = 600
+    """Total optimiser steps."""
     batch_size: int = 16
+    """Sequences per step."""
     seq_len: int = 256
+    """Tokens per sequence."""
     grad_accum: int = 1
+    """Micro-batches per step (they must divide batch_size)."""
     seed: int = 0
+    """Seed of the initialisation, the batches and the steps' random keys."""
     log_every: int = 10
+    """Steps between logged training metrics."""
     eval_every: int = 200
+    """Steps between validation evaluations."""
     eval_batches: int = 8
+    """Validation batches per evaluation."""
     checkpoint_every: int = 200
+    """Steps between checkpoints."""
     keep_checkpoints: int = 3
-    init_from: str | None = None  # a workdir whose newest checkpoint gives the starting weights
+    """Newest checkpoints kept."""
+    init_from: str | None = None
+    """A workdir whose newest checkpoint gives the starting weights (fine-tuning)."""
     nonfinite: Literal["stop", "skip"] = "stop"
-    max_consecutive_skips: int = 10  # nonfinite="skip": more skipped steps in a row stop the run
+    """What a step with a non-finite loss or gradient does: stop the run, or skip the step."""
+    max_consecutive_skips: int = 10
+    """nonfinite="skip": more skipped steps in a row than this stop the run."""
     load_balancing_weight: float = 0.01
+    """Weight of the experts' load-balancing loss (models with model.moe)."""
     router_z_weight: float = 0.001
+    """Weight of the router z-loss (models with model.moe)."""
     router_bias_rate: float = 0.001
+    """Per-step move of the selection biases toward balance (moe.policy="deepseek")."""
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every",
@@ -115,11 +146,17 @@ class DataConfig:
     (copy, reverse, sort, addition) instead of text."""
 
     source: str | None = None
-    tokenizer: str = "byte"  # "byte" or a tokenizer.json path
+    """A text file or folder; None for the embedded corpus (the standard library's source)."""
+    tokenizer: str = "byte"
+    """"byte" (byte-level ids) or the path of a tokenizers tokenizer.json."""
     val_fraction: float = 0.05
+    """Share of the files held out for validation (split by a hash of their path)."""
     task: Literal["copy", "reverse", "sort", "addition"] | None = None
+    """A synthetic seq2seq task instead of text."""
     min_len: int = 4
+    """Shortest task input."""
     max_len: int = 16
+    """Longest task input."""
 
     def __post_init__(self):
         non_empty_path("data.source", self.source)
@@ -136,9 +173,13 @@ class MeshConfig:
     """Device mesh axis sizes (see tfx.parallel). data = -1 takes the devices left over."""
 
     data: int = -1
+    """Data-parallel size; -1 for the devices that the other axes leave."""
     fsdp: int = 1
+    """Fully-sharded data-parallel size: parameters and optimiser state sharded."""
     tensor: int = 1
+    """Tensor-parallel size (Megatron-style splits of attention and MLP)."""
     expert: int = 1
+    """Expert-parallel size: MoE experts split over it."""
 
     def __post_init__(self):
         if self.data != -1:
@@ -149,61 +190,28 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PeftConfig:
-    """What fine-tuning trains: "full" every weight; "lora", "prompt", "prefix" or "adapter"
-    only the parameters that method of `tfx.peft` adds, with the model frozen (start it from a
-    trained run with `train.init_from`). The other fields are the methods' settings
-    (`settings()` builds the method object, which validates them)."""
-
-    method: Literal["full", "lora", "prompt", "prefix", "adapter"] = "full"
-    rank: int = 8  # lora
-    alpha: float = 16.0  # lora
-    targets: tuple[str, ...] = ("query", "value")  # lora: module names
-    init_style: Literal["peft", "seed", "seed_normal"] = "peft"  # lora
-    rslora: bool = False  # lora
-    num_tokens: int = 16  # prompt, prefix: learned positions
-    prompt_init: Literal["random", "vocab"] = "vocab"  # prompt
-    prefix_projection: int = 0  # prefix: width of the reparameterisation MLP (0: none)
-    adapter_size: int = 16  # adapter: bottleneck width
-    adapter_placement: Literal["houlsby", "pfeiffer"] = "houlsby"  # adapter
-
-    def __post_init__(self):
-        self.settings()
-
-    def settings(self):
-        """The `tfx.peft` method object (None for "full")."""
-        from tfx import peft
-
-        if self.method == "full":
-            return None
-        if self.method == "lora":
-            return peft.LoRA(rank=self.rank, alpha=self.alpha, targets=tuple(self.targets),
-                             init_style=self.init_style, rslora=self.rslora)
-        if self.method == "prompt":
-            return peft.SoftPrompt(num_tokens=self.num_tokens, init=self.prompt_init)
-        if self.method == "prefix":
-            return peft.Prefix(num_tokens=self.num_tokens, projection=self.prefix_projection)
-        if self.method == "adapter":
-            return peft.Adapters(size=self.adapter_size, placement=self.adapter_placement)
-        raise ValueError(f"peft.method must be one of full, lora, prompt, prefix, adapter, got "
-                         f"{self.method!r}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class Experiment:
     """A named, complete training run. `objective` picks the loss and the model family:
     causal_lm -> DecoderConfig, mlm -> EncoderConfig, seq2seq -> EncoderDecoderConfig."""
 
     name: str
     objective: Literal["causal_lm", "mlm", "seq2seq"]
-    model: DecoderConfig | EncoderConfig | EncoderDecoderConfig
+    model: ModelConfig
+    """The model (its family follows the objective)."""
     train: TrainConfig = TrainConfig()
+    """The loop."""
     optim: OptimConfig = OptimConfig()
+    """The optimiser."""
     data: DataConfig = DataConfig()
+    """Where tokens come from."""
     mesh: MeshConfig = MeshConfig()
-    peft: PeftConfig = PeftConfig()
-    label_smoothing: float = 0.0  # seq2seq
-    mlm_probability: float = 0.15  # mlm
+    """Device mesh axis sizes."""
+    peft: PeftConfig = dataclasses.field(default_factory=FullTuning)
+    """What fine-tuning trains: every weight (full) or a tfx.peft method's parameters."""
+    label_smoothing: float = 0.0
+    """seq2seq: label smoothing of the cross-entropy."""
+    mlm_probability: float = 0.15
+    """mlm: share of the real tokens chosen for prediction."""
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -245,7 +253,7 @@ def run_identity(experiment: Experiment) -> dict:
     identity["train"] = {k: v for k, v in identity["train"].items() if k not in LOOP_ONLY}
     # Fine-tuning settings at their defaults are left out, so that runs stored before they
     # existed keep their identity (and resume).
-    if experiment.peft == PeftConfig():
+    if experiment.peft == FullTuning():
         identity.pop("peft")
     if experiment.train.init_from is None:
         identity["train"].pop("init_from")
@@ -271,7 +279,7 @@ def _types() -> dict[str, type]:
     from tfx.models.config import EncoderConfig, EncoderDecoderConfig
     from tfx.ops.positional import RopeScaling
 
-    known = (Experiment, TrainConfig, OptimConfig, DataConfig, MeshConfig, PeftConfig,
+    known = (Experiment, TrainConfig, OptimConfig, DataConfig, MeshConfig, *METHODS.values(),
              DecoderConfig, EncoderConfig, EncoderDecoderConfig, *SUBCONFIGS.values(),
              *RopeScaling.__subclasses__())
     return {cls.__name__: cls for cls in known}

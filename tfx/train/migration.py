@@ -4,7 +4,10 @@ checkpoints/config.json, `Experiment.to_dict`) to the current layout, version by
 Version 1 (no "version" key): flat model configs (`rope_theta`, `num_kv_heads`, `norm_eps`,
 `num_experts`, ...) holding the MoE training weights too. Version 2: model configs nested by
 concern (`rope`, `t5`, `attention`, `mlp`, `norm`, `moe`, `embeddings`, `compute`,
-`special_tokens`), the MoE training weights in `train`.
+`special_tokens`), the MoE training weights in `train`. Version 3: `peft` one dataclass per
+fine-tuning method with only its settings (`FullTuning`, `LoraTuning`, ...; see
+tfx.train.finetuning) instead of a `PeftConfig` with a `method` string and every method's
+settings.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import copy
 
 __all__ = ["CONFIG_VERSION", "migrate"]
 
-CONFIG_VERSION = 2
+CONFIG_VERSION = 3
 
 # Version 1's flat model fields -> (sub-config, its class, field) in version 2.
 _V1_PARTS = {
@@ -56,6 +59,15 @@ _V1_PARTS = {
 }
 # Version 1's model fields that version 2 keeps in the training config.
 _V1_TRAINING = ("router_bias_rate", "load_balancing_weight", "router_z_weight")
+# Version 2's PeftConfig.method -> (version 3's class, {its field: version 2's field}).
+_V2_PEFT = {
+    "full": ("FullTuning", {}),
+    "lora": ("LoraTuning", {name: name for name in
+                            ("rank", "alpha", "targets", "init_style", "rslora")}),
+    "prompt": ("PromptTuning", {"num_tokens": "num_tokens", "init": "prompt_init"}),
+    "prefix": ("PrefixTuning", {"num_tokens": "num_tokens", "projection": "prefix_projection"}),
+    "adapter": ("AdapterTuning", {"size": "adapter_size", "placement": "adapter_placement"}),
+}
 
 
 def migrate(stored: dict) -> dict:
@@ -64,13 +76,13 @@ def migrate(stored: dict) -> dict:
     if not isinstance(stored, dict):
         raise TypeError(f"a stored experiment must be a dict, got {type(stored).__name__}")
     version = stored.get("version", 1)
-    if version not in (1, CONFIG_VERSION):
+    if version not in _STEPS and version != CONFIG_VERSION:
         raise ValueError(f"this stored experiment has config version {version!r}, which this "
                          f"tfx (version {CONFIG_VERSION}) cannot read: it was written by a "
                          f"newer tfx; upgrade tfx, or train in a new workdir")
     out = copy.deepcopy(stored)
-    if version == 1:
-        out = _v1_to_v2(out)
+    while out.get("version", 1) != CONFIG_VERSION:
+        out = _STEPS[out.get("version", 1)](out)
     return out
 
 
@@ -92,3 +104,20 @@ def _v1_to_v2(stored: dict) -> dict:
         nested.pop("moe", None)  # version 1's num_experts=0: dense, no MoE settings
     train = {"__type__": "TrainConfig", **stored.get("train", {}), **training}
     return {**stored, "version": 2, "model": {**flat, **nested}, "train": train}
+
+
+def _v2_to_v3(stored: dict) -> dict:
+    """One dataclass per fine-tuning method, holding only its settings."""
+    peft = stored.get("peft")
+    if not isinstance(peft, dict):  # stored before fine-tuning existed: the default (full)
+        return {**stored, "version": 3}
+    method = peft.get("method", "full")
+    if method not in _V2_PEFT:
+        raise ValueError(f"peft.method must be one of {tuple(_V2_PEFT)}, got {method!r}")
+    kind, fields = _V2_PEFT[method]
+    settings = {new: peft[old] for new, old in fields.items() if old in peft}
+    return {**stored, "version": 3, "peft": {"__type__": kind, **settings}}
+
+
+# The step from each older version to the next.
+_STEPS = {1: _v1_to_v2, 2: _v2_to_v3}

@@ -1,0 +1,164 @@
+"""The `tfx` command line as dataclasses, parsed by tyro: one subcommand per job, the field
+docstrings as help. Imports no jax, so that `tfx --help` and `tfx train --help` print at once.
+
+`tfx train [EXPERIMENT]`: each named experiment is a subcommand (default gpt_char) whose fields
+are the options (`--model.num_layers=4`, `--optim.learning_rate 1e-3`); a fine-tuning method is
+a subcommand of it (`peft:lora --peft.rank 8`, also spelt `--peft lora`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated, Generic, TypeVar, Union
+
+import tyro
+
+from tfx.train.config import Experiment
+from tfx.train.experiments import DEFAULT_EXPERIMENT, EXPERIMENTS
+from tfx.train.overrides import switch_parts
+
+__all__ = ["Embed", "Eval", "Experiments", "Sample", "Train", "parse"]
+
+E = TypeVar("E")  # the experiments: subcommands whose defaults the command line adjusts
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Train(Generic[E]):
+    """Train (or resume) an experiment; its fields are the options below."""
+
+    experiment: E
+    """The named experiment (`tfx experiments` lists them), with its fields overridden."""
+    workdir: str
+    """Where checkpoints, metrics.jsonl, loss.png and TensorBoard files go."""
+    steps: int | None = None
+    """Total optimiser steps (train.steps)."""
+    checkpoint_every: int | None = None
+    """Steps between checkpoints (train.checkpoint_every)."""
+    log_every: int | None = None
+    """Steps between logged metrics (train.log_every)."""
+    data: str | None = None
+    """A text file or folder instead of the embedded corpus (data.source)."""
+    init_from: str | None = None
+    """Start from the newest checkpoint of this workdir (train.init_from): fine-tuning."""
+    no_progress: tyro.conf.FlagCreatePairsOff[bool] = False
+    """No progress bar."""
+    coordinator_address: str | None = None
+    """Multi-process runs: host:port of process 0 (or TFX_COORDINATOR_ADDRESS)."""
+    num_processes: int | None = None
+    """Multi-process runs: how many (or TFX_NUM_PROCESSES)."""
+    process_id: int | None = None
+    """Multi-process runs: this one's index (or TFX_PROCESS_ID)."""
+
+    def configured(self) -> Experiment:
+        """The experiment with the shortcut options applied."""
+        e = self.experiment
+        train = {name: value for name, value in (("steps", self.steps),
+                 ("checkpoint_every", self.checkpoint_every), ("log_every", self.log_every),
+                 ("init_from", self.init_from)) if value is not None}
+        data = {} if self.data is None else {"source": self.data}
+        return dataclasses.replace(e, train=dataclasses.replace(e.train, **train),
+                                   data=dataclasses.replace(e.data, **data))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sample:
+    """Generate text from a trained run."""
+
+    workdir: str
+    """The run's workdir."""
+    prompt: str = ""
+    """Text to continue."""
+    max_new_tokens: int = 200
+    """Tokens to generate."""
+    temperature: float = 0.8
+    """Sampling temperature; 0 for greedy decoding."""
+    top_k: int | None = None
+    """Sample among the k most likely tokens."""
+    top_p: float | None = None
+    """Sample among the most likely tokens that hold probability p (nucleus)."""
+    num_samples: int = 1
+    """Continuations of the prompt."""
+    seed: int = 0
+    """Seed of the sampling."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Eval:
+    """Validation metrics of a trained run's newest checkpoint, as JSON."""
+
+    workdir: str
+    """The run's workdir."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Embed:
+    """Sentence embeddings: the cosine similarity of every pair of texts."""
+
+    texts: tyro.conf.Positional[tuple[str, ...]]
+    """The texts."""
+    model: str | None = None
+    """A sentence-transformers folder (default: the packaged all-MiniLM-L6-v2)."""
+    output: Path | None = None
+    """Also write the embeddings [len(texts), dim] here (.npy)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Experiments:
+    """List the named experiments."""
+
+
+def parse(args: list[str]) -> Train | Sample | Eval | Embed | Experiments:
+    """The command that `args` (without the program name) spell. tyro prints help or an error
+    (naming an unrecognised option and the similar ones) and exits 0 or 2."""
+    args = _peft_alias(args)
+    experiments = EXPERIMENTS
+    if "train" in args:
+        # Optional model sub-configs named on the command line (--model.moe.num_experts=8 on a
+        # dense model, --model.moe=None) are switched on or off in the default tyro overrides.
+        chosen = next((arg for arg in args if arg in EXPERIMENTS), DEFAULT_EXPERIMENT)
+        switched, args = switch_parts(EXPERIMENTS[chosen], args)
+        experiments = {**EXPERIMENTS, chosen: switched}
+    commands = Union[  # noqa: UP007 (a Union of Annotated types: tyro's subcommands)
+        Annotated[Train[_choices(experiments)], tyro.conf.subcommand("train", prefix_name=False)],
+        Annotated[Sample, tyro.conf.subcommand("sample", prefix_name=False)],
+        Annotated[Eval, tyro.conf.subcommand("eval", prefix_name=False)],
+        Annotated[Embed, tyro.conf.subcommand("embed", prefix_name=False)],
+        Annotated[Experiments, tyro.conf.subcommand("experiments", prefix_name=False)]]
+    return tyro.cli(commands, args=args, prog="tfx", use_underscores=True,
+                    description="tfx: transformer building blocks and models for JAX and Flax "
+                    "NNX: train, sample, evaluate, embed.",
+                    config=(tyro.conf.CascadeSubcommandArgs,))
+
+
+def _choices(experiments: dict[str, Experiment]):
+    """The experiments as tyro subcommands, DEFAULT_EXPERIMENT chosen when none is named; their
+    options take a value even when it is a bool (`--model.compute.remat True`)."""
+    union = Union[tuple(  # noqa: UP007
+        Annotated[Experiment, tyro.conf.subcommand(name, default=e, description=_summary(e),
+                                                   prefix_name=False)]
+        for name, e in experiments.items())]
+    # name "": the experiment's options are --model.*, --train.*, not --experiment.model.*
+    return Annotated[union, tyro.conf.FlagConversionOff,
+                     tyro.conf.arg(name="", default=experiments[DEFAULT_EXPERIMENT],
+                                   prefix_name=False)]
+
+
+def _summary(experiment: Experiment) -> str:
+    model = experiment.model
+    return (f"{experiment.objective}: {type(model).__name__} {model.num_layers}x{model.d_model}, "
+            f"position={model.position}")
+
+
+def _peft_alias(args: list[str]) -> list[str]:
+    """`--peft lora` / `--peft=lora` -> `peft:lora`, tyro's name of that subcommand."""
+    out, i = [], 0
+    while i < len(args):
+        name, eq, value = args[i].partition("=")
+        if name == "--peft" and (eq or i + 1 < len(args)):
+            out.append(f"peft:{value if eq else args[i + 1]}")
+            i += 1 if eq else 2
+        else:
+            out.append(args[i])
+            i += 1
+    return out

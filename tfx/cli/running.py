@@ -1,0 +1,135 @@
+"""What `tfx train`, `tfx sample`, `tfx eval` and `tfx experiments` do, once parsed
+(tfx.cli.commands). jax is imported here, when a command runs, not when it is parsed."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+from tfx.train.config import non_empty_path
+
+__all__ = ["evaluate", "experiments", "sample", "train"]
+
+
+def train(command) -> int:
+    """Train (or resume); print where the artifacts are, then a sample of a causal LM. Exit
+    status 128 + the signal's number when a signal stopped the run (it saved first)."""
+    from tfx import parallel
+    from tfx.train.loop import train as train_loop
+
+    workdir = _workdir(command.workdir)
+    experiment = command.configured()
+    # Multi-process runs (flags or TFX_* environment variables); one process: nothing.
+    parallel.initialize(command.coordinator_address, command.num_processes, command.process_id)
+    result = train_loop(experiment, workdir, progress=not command.no_progress)
+    print(_artifacts(workdir))
+    if result.interrupted:
+        number = getattr(result, "signal", None) or signal.SIGINT
+        print(f"interrupted at step {result.step} by {signal.Signals(number).name}; run the "
+              f"same command to resume", file=sys.stderr)
+        return 128 + number
+    if _samples(experiment):
+        text = _generate(workdir, prompt="def ", max_new_tokens=200, temperature=0.8)
+        print(f"sample after {result.step} steps:\n{text[0]}")
+    return 0
+
+
+def _workdir(text: str) -> Path:
+    """The --workdir path, refusing "" (which pathlib reads as the current folder)."""
+    non_empty_path("--workdir", text)
+    return Path(text)
+
+
+def _artifacts(workdir: Path) -> str:
+    """Where a run's files are (tfx.train.loop and tfx.train.metrics write them)."""
+    names = {"checkpoints": "checkpoints", "metrics.jsonl": "metrics", "loss.png": "loss curve",
+             "tensorboard": "TensorBoard events"}
+    found = [f"{what}: {workdir / name}" for name, what in names.items()
+             if (workdir / name).exists()]
+    return "artifacts: " + ("; ".join(found) if found else f"none yet in {workdir}")
+
+
+def _samples(experiment) -> bool:
+    """Whether the run's model generates text (a causal LM)."""
+    return experiment.objective == "causal_lm"
+
+
+def sample(command) -> int:
+    """Print `num_samples` continuations of the prompt."""
+    texts = _generate(_workdir(command.workdir), prompt=command.prompt,
+                      max_new_tokens=command.max_new_tokens, temperature=command.temperature,
+                      top_k=command.top_k, top_p=command.top_p,
+                      num_samples=command.num_samples, seed=command.seed)
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            print(f"--- sample {i}")
+        print(text)
+    return 0
+
+
+def _generate(workdir: Path, *, prompt: str, max_new_tokens: int, temperature: float,
+              top_k=None, top_p=None, num_samples: int = 1, seed: int = 0) -> list[str]:
+    import jax
+    import numpy as np
+
+    import tfx
+
+    if max_new_tokens < 1:
+        raise ValueError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
+    trainer = _restored(workdir)
+    if not _samples(trainer.experiment):
+        trainer.close()
+        raise ValueError(f"{workdir} holds a {trainer.experiment.objective} run; sampling "
+                         "needs a causal LM")
+    tokenizer = trainer.feed.tokenizer
+    ids = tokenizer.encode(prompt) if prompt else np.asarray([ord("\n")], np.int32)
+    prompts = np.repeat(np.asarray(ids, np.int32)[None], num_samples, axis=0)
+    try:
+        out = tfx.generate(trainer.model(), prompts, max_new_tokens=max_new_tokens,
+                           temperature=temperature, top_k=top_k, top_p=top_p,
+                           rng=jax.random.key(seed))
+    finally:
+        trainer.close()
+    return [prompt + tokenizer.decode(np.asarray(row[prompts.shape[1]:])) for row in out]
+
+
+def evaluate(command) -> int:
+    """Print the validation metrics of the newest checkpoint as JSON."""
+    trainer = _restored(_workdir(command.workdir))
+    try:
+        metrics = trainer.evaluate()
+    finally:
+        trainer.close()
+    print(json.dumps({"step": int(trainer.state.step), **metrics}, indent=2))
+    return 0
+
+
+def _restored(workdir: Path):
+    """The run in `workdir` with its newest checkpoint loaded (a damaged one is refused)."""
+    from tfx.train.config import experiment_from_dict
+    from tfx.train.loop import Trainer
+
+    config = Path(workdir) / "checkpoints" / "config.json"
+    if not config.is_file():
+        raise ValueError(f"no trained run in {workdir} (missing {config}); train one with "
+                         f"`tfx train --workdir {workdir}`")
+    experiment = experiment_from_dict(json.loads(config.read_text()))
+    trainer = Trainer(experiment, workdir, sharded=False)
+    if trainer.restore(strict=True) == 0:  # a damaged newest checkpoint is refused
+        trainer.close()
+        raise ValueError(f"{workdir} holds no checkpoint yet")
+    return trainer
+
+
+def experiments(command) -> int:
+    """List the named experiments, one a line."""
+    from tfx.train.experiments import DEFAULT_EXPERIMENT, EXPERIMENTS
+
+    for name, experiment in EXPERIMENTS.items():
+        model = experiment.model
+        default = " (default)" if name == DEFAULT_EXPERIMENT else ""
+        print(f"{name:20s} {experiment.objective:10s} {type(model).__name__} "
+              f"{model.num_layers}x{model.d_model} position={model.position}{default}")
+    return 0

@@ -1,0 +1,128 @@
+"""What fine-tuning trains, one frozen dataclass per method with only its own settings:
+`FullTuning` (every weight) or one of the `tfx.peft` methods, which train only the parameters
+they add, with the model frozen (start it from a trained run with `train.init_from`).
+
+`PeftConfig` is their union, the type of `Experiment.peft`; on the command line a method is a
+subcommand (`peft:lora --peft.rank 8`, or `--peft lora`). Each config builds its `tfx.peft`
+method object with `settings()`, which validates the values (and imports jax: only the
+non-default methods do, when they are made).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, ClassVar, Literal
+
+import tyro
+
+__all__ = ["METHODS", "AdapterTuning", "FullTuning", "LoraTuning", "PeftConfig", "PrefixTuning",
+           "PromptTuning"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FullTuning:
+    """Train every weight (no fine-tuning method)."""
+
+    method: ClassVar[str] = "full"
+
+    def settings(self) -> None:
+        """No `tfx.peft` method."""
+        return None
+
+
+class _Method:
+    """A `tfx.peft` method's settings: validated by building the method object."""
+
+    method: ClassVar[str]
+
+    def __post_init__(self):
+        self.settings()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraTuning(_Method):
+    """LoRA (Hu et al. 2021): low-rank updates of the target projections (`tfx.peft.LoRA`)."""
+
+    method: ClassVar[str] = "lora"
+    rank: int = 8
+    """Rank r of each update."""
+    alpha: float = 16.0
+    """The update is scaled by alpha / r (alpha / sqrt(r) with rslora)."""
+    targets: tuple[str, ...] = ("query", "value")
+    """Module names that get updates (query, key, value, out, up, gate, down, tokens)."""
+    init_style: Literal["peft", "seed", "seed_normal"] = "peft"
+    """How the factors start (see `tfx.peft.LoRA`)."""
+    rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(r)."""
+
+    def settings(self):
+        """The `tfx.peft.LoRA` of these settings."""
+        from tfx import peft
+
+        return peft.LoRA(rank=self.rank, alpha=self.alpha, targets=tuple(self.targets),
+                         init_style=self.init_style, rslora=self.rslora)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PromptTuning(_Method):
+    """Soft prompts (Lester et al. 2021): learned embeddings before the input
+    (`tfx.peft.SoftPrompt`)."""
+
+    method: ClassVar[str] = "prompt"
+    num_tokens: int = 16
+    """Learned positions."""
+    init: Literal["random", "vocab"] = "vocab"
+    """Start from random vectors or from embeddings of vocabulary tokens."""
+
+    def settings(self):
+        """The `tfx.peft.SoftPrompt` of these settings."""
+        from tfx import peft
+
+        return peft.SoftPrompt(num_tokens=self.num_tokens, init=self.init)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrefixTuning(_Method):
+    """Prefix tuning (Li & Liang 2021): learned keys and values before every layer's
+    (`tfx.peft.Prefix`)."""
+
+    method: ClassVar[str] = "prefix"
+    num_tokens: int = 16
+    """Learned positions."""
+    projection: int = 0
+    """Width of the reparameterisation MLP; 0 for none."""
+
+    def settings(self):
+        """The `tfx.peft.Prefix` of these settings."""
+        from tfx import peft
+
+        return peft.Prefix(num_tokens=self.num_tokens, projection=self.projection)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdapterTuning(_Method):
+    """Bottleneck adapters (Houlsby et al. 2019, Pfeiffer et al. 2020) after sub-layers
+    (`tfx.peft.Adapters`)."""
+
+    method: ClassVar[str] = "adapter"
+    size: int = 16
+    """Bottleneck width."""
+    placement: Literal["houlsby", "pfeiffer"] = "houlsby"
+    """After attention and MLP (houlsby) or after the MLP only (pfeiffer)."""
+
+    def settings(self):
+        """The `tfx.peft.Adapters` of these settings."""
+        from tfx import peft
+
+        return peft.Adapters(size=self.size, placement=self.placement)
+
+
+METHODS = {kind.method: kind for kind in
+           (FullTuning, LoraTuning, PromptTuning, PrefixTuning, AdapterTuning)}
+
+# tyro: each method a subcommand named peft:<method>.
+PeftConfig = (Annotated[FullTuning, tyro.conf.subcommand("full")]
+              | Annotated[LoraTuning, tyro.conf.subcommand("lora")]
+              | Annotated[PromptTuning, tyro.conf.subcommand("prompt")]
+              | Annotated[PrefixTuning, tyro.conf.subcommand("prefix")]
+              | Annotated[AdapterTuning, tyro.conf.subcommand("adapter")])
