@@ -71,56 +71,44 @@ def sample(command) -> int:
 
 def _generate(workdir: Path, *, prompt: str, max_new_tokens: int, temperature: float,
               top_k=None, top_p=None, num_samples: int = 1, seed: int = 0) -> list[str]:
+    """`num_samples` continuations of `prompt` by the run in `workdir` (tfx.train.load_run)."""
     import jax
     import numpy as np
 
     import tfx
+    from tfx.train.run import load_run, stored_experiment
 
     if max_new_tokens < 1:
         raise ValueError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
-    trainer = _restored(workdir)
-    if not _samples(trainer.experiment):
-        trainer.close()
-        raise ValueError(f"{workdir} holds a {trainer.experiment.objective} run; sampling "
-                         "needs a causal LM")
-    tokenizer = trainer.feed.tokenizer
-    ids = tokenizer.encode(prompt) if prompt else np.asarray([ord("\n")], np.int32)
+    experiment = stored_experiment(workdir)
+    if not _samples(experiment):  # refused before any model is built
+        raise ValueError(f"{workdir} holds a {experiment.objective} run; sampling needs a "
+                         "causal LM")
+    run = load_run(workdir)  # a damaged newest checkpoint is refused
+    ids = run.tokenizer.encode(prompt) if prompt else np.asarray([ord("\n")], np.int32)
     prompts = np.repeat(np.asarray(ids, np.int32)[None], num_samples, axis=0)
-    try:
-        out = tfx.generate(trainer.model(), prompts, max_new_tokens=max_new_tokens,
-                           temperature=temperature, top_k=top_k, top_p=top_p,
-                           rng=jax.random.key(seed))
-    finally:
-        trainer.close()
-    return [prompt + tokenizer.decode(np.asarray(row[prompts.shape[1]:])) for row in out]
+    out = tfx.generate(run.model, prompts, max_new_tokens=max_new_tokens,
+                       temperature=temperature, top_k=top_k, top_p=top_p,
+                       rng=jax.random.key(seed))
+    return [prompt + run.tokenizer.decode(np.asarray(row[prompts.shape[1]:])) for row in out]
 
 
 def evaluate(command) -> int:
-    """Print the validation metrics of the newest checkpoint as JSON."""
-    trainer = _restored(_workdir(command.workdir))
+    """Print the validation metrics of the newest checkpoint as JSON (a Trainer: it holds the
+    validation batches and the compiled evaluation step)."""
+    from tfx.train.loop import Trainer
+    from tfx.train.run import stored_experiment
+
+    workdir = _workdir(command.workdir)
+    trainer = Trainer(stored_experiment(workdir), workdir, sharded=False)
     try:
+        if trainer.restore(strict=True) == 0:  # a damaged newest checkpoint is refused
+            raise ValueError(f"{workdir} holds no checkpoint yet")
         metrics = trainer.evaluate()
     finally:
         trainer.close()
     print(json.dumps({"step": int(trainer.state.step), **metrics}, indent=2))
     return 0
-
-
-def _restored(workdir: Path):
-    """The run in `workdir` with its newest checkpoint loaded (a damaged one is refused)."""
-    from tfx.train.config import experiment_from_dict
-    from tfx.train.loop import Trainer
-
-    config = Path(workdir) / "checkpoints" / "config.json"
-    if not config.is_file():
-        raise ValueError(f"no trained run in {workdir} (missing {config}); train one with "
-                         f"`tfx train --workdir {workdir}`")
-    experiment = experiment_from_dict(json.loads(config.read_text()))
-    trainer = Trainer(experiment, workdir, sharded=False)
-    if trainer.restore(strict=True) == 0:  # a damaged newest checkpoint is refused
-        trainer.close()
-        raise ValueError(f"{workdir} holds no checkpoint yet")
-    return trainer
 
 
 def experiments(command) -> int:

@@ -17,10 +17,11 @@ if TYPE_CHECKING:
     from tfx.train.experiments import EXPERIMENTS, get_experiment
     from tfx.train.lock import WorkdirBusyError
     from tfx.train.loop import DivergenceError, Trainer, TrainResult, train
+    from tfx.train.run import Run, load_run
 
 __all__ = ["EXPERIMENTS", "CorruptCheckpointError", "DataConfig", "DivergenceError", "Experiment",
-           "MeshConfig", "OptimConfig", "TrainConfig", "TrainResult", "Trainer",
-           "WorkdirBusyError", "get_experiment", "train"]
+           "MeshConfig", "OptimConfig", "Run", "TrainConfig", "TrainResult", "Trainer",
+           "WorkdirBusyError", "get_experiment", "load_run", "train"]
 
 __getattr__, __dir__ = lazy_exports(__name__, {
     "CorruptCheckpointError": "tfx.train.checkpoint:CorruptCheckpointError",
@@ -30,4 +31,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "get_experiment": "tfx.train.experiments:get_experiment",
     "WorkdirBusyError": "tfx.train.lock:WorkdirBusyError",
     **{name: f"tfx.train.loop:{name}" for name in
-       ("DivergenceError", "Trainer", "TrainResult", "train")}})
+       ("DivergenceError", "Trainer", "TrainResult", "train")},
+    "Run": "tfx.train.run:Run", "load_run": "tfx.train.run:load_run"})
