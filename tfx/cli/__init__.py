@@ -25,29 +25,30 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command that `argv` (default: sys.argv[1:]) spells; return its exit status."""
-    from tfx.cli.commands import parse
-
-    command = parse(sys.argv[1:] if argv is None else list(argv))
-    name = type(command).__name__.lower()
+    name = "tfx"  # until the command is known
     try:
+        from tfx.cli.commands import parse
+
+        command = parse(sys.argv[1:] if argv is None else list(argv))
+        name = f"tfx {type(command).__name__.lower()}"
         with warnings.catch_warnings():  # restores the previous showwarning
             warnings.showwarning = functools.partial(_show_warning, name)
             return _run(command)
     except KeyboardInterrupt:  # Ctrl-C outside a training loop (which saves and returns)
-        print(f"tfx {name}: interrupted", file=sys.stderr)
+        print(f"{name}: interrupted", file=sys.stderr)
         return 130
     except (ValueError, TypeError) as error:  # a bad config, data path or workdir
-        print(f"tfx {name}: error: {error}", file=sys.stderr)
+        print(f"{name}: error: {error}", file=sys.stderr)
         return 2
     except OSError as error:  # the run failed: full disk, unwritable workdir
-        print(f"tfx {name}: error: {_one_line(error)}", file=sys.stderr)
+        print(f"{name}: error: {_one_line(error)}", file=sys.stderr)
         return 1
     except Exception as error:
         from tfx.train.loop import DivergenceError  # imported only once something failed
 
         if not isinstance(error, DivergenceError):
             raise
-        print(f"tfx {name}: error: {_one_line(error)}", file=sys.stderr)
+        print(f"{name}: error: {_one_line(error)}", file=sys.stderr)
         return 1
 
 
@@ -73,4 +74,4 @@ def _one_line(error: BaseException) -> str:
 
 def _show_warning(command, message, category, filename, lineno, file=None, line=None):
     """Warnings as one line for the command's user (no source location)."""
-    print(f"tfx {command}: warning: {message}", file=sys.stderr if file is None else file)
+    print(f"{command}: warning: {message}", file=sys.stderr if file is None else file)

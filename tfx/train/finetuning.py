@@ -16,7 +16,7 @@ from typing import Annotated, ClassVar, Literal
 import tyro
 
 __all__ = ["METHODS", "AdapterTuning", "FullTuning", "LoraTuning", "PeftConfig", "PrefixTuning",
-           "PromptTuning"]
+           "PromptTuning", "peft_config"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -119,6 +119,16 @@ class AdapterTuning(_Method):
 
 METHODS = {kind.method: kind for kind in
            (FullTuning, LoraTuning, PromptTuning, PrefixTuning, AdapterTuning)}
+
+
+
+def peft_config(method: str, **settings) -> PeftConfig:
+    """The config of fine-tuning `method` (a key of METHODS) with `settings` (its fields):
+    `peft_config("lora", rank=4)` is `LoraTuning(rank=4)`."""
+    if method not in METHODS:
+        raise ValueError(f"peft.method must be one of {tuple(METHODS)}, got {method!r}")
+    return METHODS[method](**settings)
+
 
 # tyro: each method a subcommand named peft:<method>.
 PeftConfig = (Annotated[FullTuning, tyro.conf.subcommand("full")]
