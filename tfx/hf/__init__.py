@@ -63,10 +63,12 @@ def load(path: str | pathlib.Path, *, dtype: str | None = None, strict: bool = T
     Returns:
       an NNX module in eval mode (dropout off) whose call mirrors `config.architectures[0]`.
     Raises:
-      ValueError naming the file or tensors at fault: unreadable config.json (not UTF-8, not
-      JSON, not an object), an unsupported architecture, a quantized checkpoint
-      (`quantization_config`, or weights of a dtype other than float16 / bfloat16 / float32),
-      the file rules above, missing or unexpected tensors (strict), shapes that do not fit.
+      ValueError: naming the file or tensors at fault: unreadable config.json (not UTF-8,
+        not JSON, not an object), an unsupported architecture, a quantized checkpoint
+        (`quantization_config`, or weights of a dtype other than float16 / bfloat16 /
+        float32), the file rules above, missing or unexpected tensors (strict), shapes that
+        do not fit.
+      TypeError: `strict` is not a bool.
     """
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False, got {strict!r}")

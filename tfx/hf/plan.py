@@ -89,8 +89,8 @@ def check(steps: list[Step], tensors: Mapping[str, np.ndarray], *, ignored: Sequ
     Returns:
       (steps to run, target paths of the steps left out: those keep the model's values).
     Raises:
-      ValueError naming the tensors (a few, and the count): a needed tensor of a dtype other
-      than FLOAT_DTYPES (always), missing or unexpected tensors (when strict).
+      ValueError: naming the tensors (a few, and the count): a needed tensor of a dtype
+        other than FLOAT_DTYPES (always), missing or unexpected tensors (when strict).
     """
     needed = list(dict.fromkeys(name for step in steps for name in step.sources))
     _check_dtypes([name for name in needed if name in tensors], tensors, source)
