@@ -13,7 +13,7 @@ import pathlib
 import jax
 import pytest
 from flax import nnx
-from jax.sharding import AbstractMesh
+from jax.sharding import AbstractMesh, PartitionSpec
 
 import tfx.models
 import tfx.peft
@@ -79,14 +79,21 @@ def moved(path: str) -> str:
     return path[1:]
 
 
+def spelled(spec: PartitionSpec) -> str:
+    """A spec as the record spells it, `P('fsdp', None)`: jax versions before 0.9 print
+    `PartitionSpec(...)` for the same value."""
+    return "P(" + ", ".join(map(repr, spec)) + ("," if len(spec) == 1 else "") + ")"
+
+
 def specs_of(name: str) -> dict[str, list[str]]:
-    """{parameter path: [str(PartitionSpec) per column of COLUMNS]}."""
+    """{parameter path: [the spelled PartitionSpec per column of COLUMNS]}."""
     params = nnx.split(build(name), nnx.Param, ...)[1]
     out = {}
     for sizes, rules in COLUMNS.values():
         specs = param_specs(params, AbstractMesh(sizes, AXES), rules)
-        for path, spec in jax.tree.leaves_with_path(specs):
-            out.setdefault(path_name(path), []).append(str(spec))
+        leaves = jax.tree.leaves_with_path(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        for path, spec in leaves:
+            out.setdefault(path_name(path), []).append(spelled(spec))
     return out
 
 
