@@ -26,7 +26,7 @@ from peft_compare import (
     pretrained_base,
 )
 
-from tfx.train.config import PeftConfig
+from tfx.train.finetuning import FullTuning, LoraTuning, PeftConfig
 
 RANKS = (1, 2, 4, 8, 16, 64)
 SMOKE_RANKS = (1, 2)  # the smoke model's projections are 32 wide
@@ -35,7 +35,7 @@ FULL_LEARNING_RATE = 3e-4  # peft_compare's rates
 
 
 def lora(rank: int) -> PeftConfig:
-    return PeftConfig(method="lora", rank=rank, alpha=16.0, targets=("query", "value"))
+    return LoraTuning(rank=rank, alpha=16.0, targets=("query", "value"))
 
 
 def table(results: dict) -> str:
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     ranks = args.ranks or (SMOKE_RANKS if args.smoke else RANKS)
     with harness.workdir(args) as runs:
         base, base_dir = pretrained_base(args, runs)
-        full = fine_tune_experiment(base, base_dir, "full", PeftConfig(method="full"),
+        full = fine_tune_experiment(base, base_dir, "full", FullTuning(),
                                     FULL_LEARNING_RATE, steps, args.smoke)
         results = {"frozen": measure_frozen(full, runs / "frozen"),
                    "full": measure(full, runs / "full")}

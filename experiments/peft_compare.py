@@ -24,6 +24,7 @@ import jax
 
 from tfx.train.config import DataConfig, OptimConfig, PeftConfig, TrainConfig
 from tfx.train.experiments import get_experiment
+from tfx.train.finetuning import peft_config
 from tfx.train.loop import Trainer, train
 
 # method -> (PeftConfig settings, learning rate)
@@ -32,9 +33,9 @@ METHODS = {
     "lora": (dict(method="lora", rank=8, alpha=16.0, targets=("query", "value")), 2e-3),
     "lora_seed_init": (dict(method="lora", rank=8, alpha=16.0, targets=("query", "value"),
                             init_style="seed"), 2e-3),
-    "prompt": (dict(method="prompt", num_tokens=16, prompt_init="vocab"), 3e-2),
+    "prompt": (dict(method="prompt", num_tokens=16, init="vocab"), 3e-2),
     "prefix": (dict(method="prefix", num_tokens=16), 1e-2),
-    "adapter": (dict(method="adapter", adapter_size=16, adapter_placement="houlsby"), 2e-3),
+    "adapter": (dict(method="adapter", size=16, placement="houlsby"), 2e-3),
 }
 
 
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         def experiment(method):
             settings, learning_rate = METHODS.get(method, (dict(method="full"), 3e-4))
-            return fine_tune_experiment(base, base_dir, method, PeftConfig(**settings),
+            return fine_tune_experiment(base, base_dir, method, peft_config(**settings),
                                         learning_rate, steps, args.smoke)
 
         results = {"frozen": measure_frozen(experiment("frozen"), runs / "frozen")}

@@ -25,7 +25,7 @@ STEPS = 4
 
 
 def _command(workdir, corpus, *extra, prefix=(), experiment="gpt_char"):
-    return [sys.executable, "-m", "tfx", *prefix, "train", experiment, "--workdir", str(workdir),
+    return [sys.executable, "-m", "tfx", "train", experiment, *prefix, "--workdir", str(workdir),
             "--steps", str(STEPS), "--log-every", "1", "--checkpoint-every", str(STEPS),
             "--data", str(corpus), *TINY, *extra]
 
