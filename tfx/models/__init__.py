@@ -1,6 +1,7 @@
 """Models built from configs: Encoder (BERT), Decoder (GPT-2 / LLaMA / Mistral) and
 EncoderDecoder (T5 / original Transformer), with named presets; `checked` compiles a function
-with the models' value checks on (see tfx.models.checks).
+with the models' value checks on (see tfx.models.checks); `pure` turns a model into a pure
+function for jax.jit / jax.grad (see tfx.models.functional).
 
 Names load on first use: the configs and presets import without jax (the command line reads
 them), the models with it."""
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
     from tfx.models.decoder import Decoder
     from tfx.models.encoder import Encoder, token_types_from_separators
     from tfx.models.encoder_decoder import EncoderDecoder
-    from tfx.models.moe_losses import aux_loss, moe_losses
+    from tfx.models.expert_losses import aux_loss, moe_losses
+    from tfx.models.functional import pure
     from tfx.models.presets import PRESETS, create
 
 _CONFIGS = ("AttentionConfig", "ComputeConfig", "DecoderConfig", "EmbeddingsConfig",
@@ -39,7 +41,7 @@ _CONFIGS = ("AttentionConfig", "ComputeConfig", "DecoderConfig", "EmbeddingsConf
 __all__ = ["PRESETS", "AttentionConfig", "ComputeConfig", "Decoder", "DecoderConfig",
            "EmbeddingsConfig", "Encoder", "EncoderConfig", "EncoderDecoder", "EncoderDecoderConfig",
            "MlpConfig", "MoeConfig", "NormConfig", "RopeConfig", "SpecialTokens", "T5BiasConfig",
-           "TransformerConfig", "aux_loss", "checked", "create", "moe_losses",
+           "TransformerConfig", "aux_loss", "checked", "create", "moe_losses", "pure",
            "token_types_from_separators"]
 
 __getattr__, __dir__ = lazy_exports(__name__, {
@@ -48,5 +50,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "Encoder": "tfx.models.encoder:Encoder",
     "token_types_from_separators": "tfx.models.encoder:token_types_from_separators",
     "EncoderDecoder": "tfx.models.encoder_decoder:EncoderDecoder",
-    "aux_loss": "tfx.models.moe_losses:aux_loss", "moe_losses": "tfx.models.moe_losses:moe_losses",
-    "PRESETS": "tfx.models.presets:PRESETS", "create": "tfx.models.presets:create"})
+    "aux_loss": "tfx.models.expert_losses:aux_loss",
+    "moe_losses": "tfx.models.expert_losses:moe_losses",
+    "PRESETS": "tfx.models.presets:PRESETS", "create": "tfx.models.presets:create",
+    "pure": "tfx.models.functional:pure"})
