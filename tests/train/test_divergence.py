@@ -17,10 +17,10 @@ from train_cases import tiny, write_corpus
 
 from tfx.models import create
 from tfx.train.config import OptimConfig, TrainConfig, run_identity
-from tfx.train.feed import Feed
 from tfx.train.loop import DivergenceError, Trainer, train
+from tfx.train.losses import causal_lm
 from tfx.train.metrics import read_metrics
-from tfx.train.objectives import OBJECTIVE_FUNCTIONS, causal_lm
+from tfx.train.objectives import CausalLM, get_objective
 from tfx.train.optim import make_optimizer
 from tfx.train.step import init_train_state, make_train_step
 
@@ -30,8 +30,8 @@ POISON = 255  # a batch whose first token is this one gets a non-finite loss or 
 def _poisoned(kind: str):
     """causal_lm whose loss (kind "loss": NaN) or gradient norm (kind "grad_norm": the
     gradient overflows, the loss stays finite) is non-finite on batches starting with POISON."""
-    def objective(model, batch, rng, **kwargs):
-        total, count, sums = causal_lm(model, batch, rng, **kwargs)
+    def objective(model, batch, rng):
+        total, count, sums = causal_lm(model, batch, rng)
         poisoned = batch["tokens"][0, 0] == POISON
         if kind == "loss":
             return total * jnp.where(poisoned, jnp.nan, 1.0), count, sums
@@ -92,15 +92,15 @@ def corpus(tmp_path_factory):
 
 def _poison_steps(monkeypatch, experiment, steps):
     """Make the loop's causal LM objective NaN on the batches of these (1-based) steps."""
-    feed = Feed(experiment)
+    feed = get_objective(experiment.objective).batches(experiment)
     bad = jnp.asarray(np.stack([feed.train(s - 1)["tokens"] for s in steps]))
 
-    def objective(model, batch, rng, **kwargs):
-        total, count, sums = causal_lm(model, batch, rng, **kwargs)
+    def objective(model, batch, rng):
+        total, count, sums = causal_lm(model, batch, rng)
         poisoned = jnp.any(jnp.all(batch["tokens"][None] == bad, axis=(1, 2)))
         return total * jnp.where(poisoned, jnp.nan, 1.0), count, sums
 
-    monkeypatch.setitem(OBJECTIVE_FUNCTIONS, "causal_lm", objective)
+    monkeypatch.setattr(CausalLM, "loss", lambda self, experiment: objective)
 
 
 def _saved_steps(workdir):

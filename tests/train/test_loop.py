@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import signal
 
 import chex
 import numpy as np
 import pytest
 from train_cases import tiny, write_corpus
 
+from tfx.train.feed import TextFeed
 from tfx.train.loop import Trainer, train
 from tfx.train.metrics import MetricsWriter, read_metrics
 
@@ -32,7 +34,11 @@ def _final_params(workdir, experiment):
 def test_a_run_writes_metrics_tensorboard_checkpoints_and_a_plot(tmp_path, corpus):
     experiment = tiny("gpt_char", corpus)
     result = train(experiment, tmp_path, progress=False)
-    assert result.step == 6 and not result.interrupted
+    assert result.step == 6 and result.signal is None and not result.interrupted
+    assert result.artifacts == {"checkpoints": tmp_path / "checkpoints",
+                                "metrics": tmp_path / "metrics.jsonl",
+                                "loss_plot": tmp_path / "loss.png",
+                                "tensorboard": tmp_path / "tensorboard"}
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records if r["split"] == "train"] == [2, 4, 6]
     assert [r["step"] for r in records if r["split"] == "val"] == [3, 6]
@@ -68,9 +74,51 @@ def test_another_config_in_the_same_workdir_is_refused_untouched(tmp_path, corpu
     train(experiment, tmp_path, progress=False)
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     wider = dataclasses.replace(experiment, model=experiment.model.replace(d_model=64))
-    with pytest.raises(ValueError, match="d_model: 32 vs 64"):
+    with pytest.raises(ValueError, match="d_model: 32 -> 64") as refused:
         train(wider, tmp_path, progress=False)
+    # Another model cannot start from this run's weights: only a new workdir will do.
+    assert "new --workdir" in str(refused.value) and "--init-from" not in str(refused.value)
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_more_steps_on_a_finished_run_are_refused_with_how_to_continue(tmp_path, corpus):
+    experiment = tiny("gpt_char", corpus, steps=3)
+    train(experiment, tmp_path / "run", progress=False)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    longer = dataclasses.replace(experiment, train=dataclasses.replace(experiment.train, steps=6))
+    with pytest.raises(ValueError, match=r"differing fields \(stored -> this run\): "
+                                         r"train\.steps: 3 -> 6\.") as refused:
+        train(longer, tmp_path / "run", progress=False)
+    message = str(refused.value)
+    assert f"--workdir NEW_WORKDIR --init-from {tmp_path / 'run'}" in message
+    assert "not extended in place" in message
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    # The way it names: a new run that starts from the finished one's weights.
+    more = dataclasses.replace(experiment, train=dataclasses.replace(
+        experiment.train, init_from=str(tmp_path / "run")))
+    assert train(more, tmp_path / "more", progress=False).step == 3
+    _, start = _final_params(tmp_path / "run", experiment)
+    trainer = Trainer(more, tmp_path / "more")  # at step 0: the finished run's weights
+    chex.assert_trees_all_equal(trainer.state.params, start)
+    trainer.close()
+
+
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_saves_stops_and_names_itself(tmp_path, corpus, monkeypatch, number):
+    experiment = tiny("gpt_char", corpus)
+    batch = TextFeed.train
+
+    def signalled(feed, step):  # the signal arrives while step 2 runs
+        if step == 1:
+            signal.raise_signal(number)
+        return batch(feed, step)
+
+    monkeypatch.setattr(TextFeed, "train", signalled)
+    result = train(experiment, tmp_path, progress=False)
+    assert (result.step, result.signal, result.interrupted) == (2, number, True)
+    assert (tmp_path / "checkpoints" / "2").is_dir()
+    monkeypatch.undo()
+    assert train(experiment, tmp_path, progress=False).signal is None
 
 
 def test_an_unreadable_data_path_fails_before_anything_is_written(tmp_path):

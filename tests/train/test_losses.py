@@ -1,4 +1,4 @@
-"""Objectives against losses written out with numpy from the same logits."""
+"""The objectives' losses against losses written out with numpy from the same logits."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from flax import nnx
 from train_cases import tiny
 
 from tfx.models import create
-from tfx.train.objectives import causal_lm, masked_lm, sequence_to_sequence
+from tfx.train.losses import causal_lm, masked_lm, sequence_to_sequence
 
 
 def _log_softmax(logits):

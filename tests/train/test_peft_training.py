@@ -15,7 +15,8 @@ from train_cases import tiny, write_corpus
 
 from tfx.cli import main
 from tfx.peft import PeftParam
-from tfx.train.config import PeftConfig, TrainConfig, experiment_from_dict, run_identity
+from tfx.train.config import TrainConfig, experiment_from_dict, run_identity
+from tfx.train.finetuning import peft_config
 from tfx.train.loop import Trainer, train
 from tfx.train.pretrained import pretrained_params
 
@@ -32,15 +33,19 @@ def base(tmp_path_factory):
 def _finetune(base, method, **settings):
     folder, experiment = base
     return dataclasses.replace(
-        experiment, peft=PeftConfig(method=method, **settings),
+        experiment, peft=peft_config(method, **settings),
         train=dataclasses.replace(experiment.train, init_from=str(folder / "base")))
 
 
-@pytest.mark.parametrize("method", ["lora", "adapter", "prefix", "prompt"])
+SMALL = {"lora": {"rank": 2}, "adapter": {"size": 4}, "prefix": {"num_tokens": 3},
+         "prompt": {"num_tokens": 3}}
+
+
+@pytest.mark.parametrize("method", list(SMALL))
 def test_finetuning_trains_only_the_method_parameters(base, method):
     folder, experiment = base
     base_params = jax.tree.map(np.asarray, pretrained_params(folder / "base", experiment.model))
-    finetune = _finetune(base, method, rank=2, num_tokens=3, adapter_size=4)
+    finetune = _finetune(base, method, **SMALL[method])
     trainer = Trainer(finetune, folder / method)
     initial = jax.tree.map(np.asarray, trainer.state.params)
     assert all(isinstance(v, PeftParam) for _, v in nnx.to_flat_state(trainer.state.params))
@@ -100,7 +105,7 @@ def test_bad_init_from_is_refused(base, tmp_path):
     with pytest.raises(ValueError, match="trained only lora parameters"):
         pretrained_params(folder / "peft_base", experiment.model)
     with pytest.raises(ValueError, match=r"peft\.method must be one of"):
-        PeftConfig(method="ia3")
+        peft_config("ia3")
     assert isinstance(TrainConfig(init_from="x").init_from, str)
 
 

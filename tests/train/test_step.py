@@ -16,7 +16,8 @@ from train_cases import tiny
 
 from tfx.models import create, moe_losses
 from tfx.train.experts import expert_loads
-from tfx.train.objectives import causal_lm, sequence_to_sequence
+from tfx.train.losses import causal_lm, sequence_to_sequence
+from tfx.train.objectives import get_objective
 from tfx.train.optim import make_optimizer
 from tfx.train.step import finish_eval, init_train_state, make_eval_step, make_train_step
 
@@ -61,9 +62,7 @@ def test_gradient_accumulation_equals_the_full_batch(name):
     if name == "gpt_char":
         batch = _tokens(batch=8)
     else:
-        from tfx.train.feed import Feed
-
-        batch = jax.tree.map(jnp.asarray, Feed(e).train(0))
+        batch = jax.tree.map(jnp.asarray, get_objective(e.objective).batches(e).train(0))
         batch = jax.tree.map(lambda x: x[:8], batch)
     results = []
     for accum in (1, 4):

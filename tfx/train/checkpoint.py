@@ -54,6 +54,15 @@ class CorruptCheckpointError(ValueError):
     """A checkpoint step is unreadable or its arrays do not match their checksums."""
 
 
+class ConfigMismatchError(ValueError):
+    """A checkpoint directory holds another config's run. differences: (dotted key, stored
+    value, new value) for every leaf where the configs differ."""
+
+    def __init__(self, message: str, differences: list[tuple[str, Any, Any]]):
+        super().__init__(message)
+        self.differences = differences
+
+
 class Checkpoints:
     """Checkpoints of one training run in `directory` (= WORKDIR/checkpoints).
 
@@ -61,7 +70,8 @@ class Checkpoints:
       directory: the run's checkpoint folder; created if missing.
       config: the run's JSON-able experiment config, written to ``directory/config.json``
         when the directory is first opened; if that file already holds a different config,
-        ValueError lists the differing keys (dotted paths, old vs new) and nothing is written.
+        ConfigMismatchError (a ValueError) lists the differing keys (dotted paths, old vs new)
+        and nothing is written.
       keep: how many of the newest steps to keep (>= 1).
       async_save: write in a background thread; `save` returns once the arrays are copied
         to host memory. Call `wait` (or `close`) before reading the files from elsewhere,
@@ -121,8 +131,9 @@ class Checkpoints:
           True when a save was started (orbax's answer).
         Raises:
           TypeError: a leaf of another type (checked before anything is written).
-          Errors from orbax (e.g. a deleted array, or a failed background write surfaced
-          here from the previous save) with a note naming the step; earlier steps stay intact.
+          Exception: errors from orbax (e.g. a deleted array, or a failed background write
+            surfaced here from the previous save), with a note naming the step; earlier steps
+            stay intact.
         """
         if self.read_only:
             raise ValueError(f"these checkpoints of {self.directory} were opened read_only")
@@ -172,7 +183,7 @@ class Checkpoints:
           ValueError: the checkpoint's tree structure or shapes differ from `template` (a
             checkpoint of another model config), the requested `step` is missing, or no
             checkpoint at all is readable.
-          CorruptCheckpointError (a ValueError): the requested `step` is unreadable, or with
+          CorruptCheckpointError: (a ValueError) the requested `step` is unreadable, or with
             `strict`, the newest one is.
         """
         if not isinstance(strict, bool):
@@ -359,8 +370,8 @@ def _manager(directory: pathlib.Path, *, keep: int, async_save: bool,
 
 def _check_same_config(path: pathlib.Path, config: dict,
                        stored_form: Callable[[dict], dict] | None) -> None:
-    """Raise ValueError listing the dotted keys where `path`'s config (through `stored_form`)
-    differs from `config`."""
+    """Raise ConfigMismatchError listing the dotted keys where `path`'s config (through
+    `stored_form`) differs from `config`."""
     try:
         old = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -373,8 +384,9 @@ def _check_same_config(path: pathlib.Path, config: dict,
                              "reuse this directory: train in a new workdir") from e
     diffs = config_diff(old, config, "")
     if diffs:
-        raise ValueError(f"{path.parent} holds checkpoints of another config; differing keys "
-                         "(old vs new): " + "; ".join(f"{k}: {o!r} vs {n!r}" for k, o, n in diffs))
+        raise ConfigMismatchError(f"{path.parent} holds checkpoints of another config; "
+                                  "differing keys (old vs new): "
+                                  + "; ".join(f"{k}: {o!r} vs {n!r}" for k, o, n in diffs), diffs)
 
 
 class _Missing:

@@ -12,6 +12,7 @@ import tyro
 from tfx.models.config import SUBCONFIGS, DecoderConfig, EncoderConfig, EncoderDecoderConfig
 from tfx.train.finetuning import METHODS, FullTuning, PeftConfig
 from tfx.train.migration import CONFIG_VERSION, migrate
+from tfx.train.objectives import get_objective
 
 __all__ = ["DataConfig", "Experiment", "MeshConfig", "OptimConfig", "PeftConfig", "TrainConfig",
            "experiment_from_dict", "non_empty_path", "run_identity", "stored_identity"]
@@ -21,7 +22,6 @@ __all__ = ["DataConfig", "Experiment", "MeshConfig", "OptimConfig", "PeftConfig"
 ModelConfig = Annotated[DecoderConfig | EncoderConfig | EncoderDecoderConfig,
                         tyro.conf.AvoidSubcommands]
 
-OBJECTIVES = {"causal_lm": DecoderConfig, "mlm": EncoderConfig, "seq2seq": EncoderDecoderConfig}
 
 
 def _positive(name: str, value) -> None:
@@ -191,11 +191,13 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Experiment:
-    """A named, complete training run. `objective` picks the loss and the model family:
-    causal_lm -> DecoderConfig, mlm -> EncoderConfig, seq2seq -> EncoderDecoderConfig."""
+    """A named, complete training run. `objective` names what it trains for
+    (tfx.train.objectives), which picks the loss, the batches and the model family: causal_lm ->
+    DecoderConfig, mlm -> EncoderConfig, seq2seq -> EncoderDecoderConfig."""
 
     name: str
     objective: Literal["causal_lm", "mlm", "seq2seq"]
+    """What the run trains for (tfx.train.objectives.OBJECTIVES): causal_lm, mlm or seq2seq."""
     model: ModelConfig
     """The model (its family follows the objective)."""
     train: TrainConfig = TrainConfig()
@@ -214,19 +216,11 @@ class Experiment:
     """mlm: share of the real tokens chosen for prediction."""
 
     def __post_init__(self):
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {tuple(OBJECTIVES)}, "
-                             f"got {self.objective!r}")
-        wanted = OBJECTIVES[self.objective]
-        if type(self.model) is not wanted:
-            raise TypeError(f"objective {self.objective!r} needs model: {wanted.__name__}, "
-                            f"got {type(self.model).__name__}")
+        get_objective(self.objective).check(self)  # its model family, data it needs
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if not 0.0 < self.mlm_probability < 1.0:
             raise ValueError(f"mlm_probability must be in (0, 1), got {self.mlm_probability}")
-        if self.objective == "seq2seq" and self.data.task is None:
-            raise ValueError("objective 'seq2seq' needs data.task (copy, reverse, sort, addition)")
         if self.model.position == "learned" and self.train.seq_len > self.model.max_len:
             raise ValueError(f"train.seq_len ({self.train.seq_len}) exceeds the learned position "
                              f"table (model.max_len = {self.model.max_len})")

@@ -5,11 +5,16 @@ WORKDIR/checkpoints (if any), and runs steps until `train.steps`, logging to
 WORKDIR/metrics.jsonl and TensorBoard, evaluating, checkpointing, and finally plotting
 WORKDIR/loss.png. Batch k and the random key of step k depend only on (seed, k), so a run that
 is interrupted and resumed ends exactly where an uninterrupted run ends. SIGTERM/SIGINT finish
-the current step, save a checkpoint and return.
+the current step, save a checkpoint and return (`TrainResult.signal` names the signal).
 
 What the loop guarantees about the workdir:
 - One run at a time: `train` holds WORKDIR/.lock (tfx.train.lock) from before it opens the
   checkpoints and metrics until its last save has committed; a second run is refused at once.
+- One config per workdir: a run resumes only with the config it started with (loop-only
+  settings aside, tfx.train.config.LOOP_ONLY); another is refused before anything is written,
+  naming the differing fields and, when the stored run can be a starting point, the
+  `--init-from` command that trains on from its weights. train.steps belongs to the config:
+  the learning-rate schedule spans it, so a run is never extended in place.
 - No non-finite state is ever saved: a step with a non-finite loss, gradient norm or update is
   not applied (tfx.train.step), and the loop reads the device-side count of such steps at
   every log, eval and checkpoint step, before it writes anything. With train.nonfinite="stop"
@@ -35,15 +40,14 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from tfx import parallel
-from tfx.train.checkpoint import Checkpoints
+from tfx.train.checkpoint import Checkpoints, ConfigMismatchError
 from tfx.train.config import Experiment, non_empty_path, run_identity, stored_identity
-from tfx.train.feed import Feed
 from tfx.train.flops import matmul_peak_flops, parameter_count, training_flops_per_token
 from tfx.train.lock import WorkdirLock
 from tfx.train.metrics import MetricsWriter, plot_losses, read_metrics
-from tfx.train.objectives import OBJECTIVE_FUNCTIONS
+from tfx.train.objectives import get_objective
 from tfx.train.optim import make_optimizer
-from tfx.train.run import initial_model
+from tfx.train.run import initial_model, stored_experiment
 from tfx.train.step import (
     finish_eval,
     init_train_state,
@@ -61,29 +65,45 @@ class DivergenceError(RuntimeError):
 
 @dataclasses.dataclass
 class TrainResult:
-    """How a call to `train` ended: the step reached, whether a signal stopped it early, and
-    the last validation metrics."""
+    """How a call to `train` ended.
+
+    step: the step reached. signal: the number of the signal (`signal.SIGINT`,
+    `signal.SIGTERM`) that stopped the run after it saved, None when it ran to train.steps
+    (`tfx train` then exits with 128 + that number: 130, 143). validation: the last validation
+    metrics. artifacts: where the run's files are, {"checkpoints": folder (config.json and a
+    folder per saved step), "metrics": metrics.jsonl (one JSON record per log or eval step),
+    "loss_plot": loss.png, "tensorboard": folder of TensorBoard event files}; the last three
+    are written by process 0 only.
+    """
 
     step: int
-    interrupted: bool
+    signal: int | None
     validation: dict
+    artifacts: dict[str, Path]
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether a signal stopped the run (before or at train.steps)."""
+        return self.signal is not None
 
 
 class Trainer:
-    """An experiment's model, train state and compiled steps (shared by `train`, `tfx eval`
-    and `tfx sample`). sharded: with several devices, spread the state and batches over the
-    mesh of `experiment.mesh`; False keeps everything on the default device. lock: open the
-    workdir to train in it: take its exclusive lock (the first process of a multi-process run
-    takes it) before opening its checkpoints for writing; `close` releases it. Without it the
-    checkpoints are opened read-only (evaluation, sampling), so a run training in the same
-    workdir keeps its in-flight save."""
+    """An experiment's model, train state and compiled steps (shared by `train` and `tfx eval`;
+    `tfx.train.load_run` loads a model alone). sharded: with several devices, spread the
+    state and batches over the mesh of `experiment.mesh`; False keeps everything on the
+    default device. lock: open the workdir to train in it: take its exclusive lock (the first
+    process of a multi-process run takes it) before opening its checkpoints for writing;
+    `close` releases it. Without it the checkpoints are opened read-only (evaluation), so a
+    run training in the same workdir keeps its in-flight save."""
 
     def __init__(self, experiment: Experiment, workdir: str | Path, *, sharded: bool = True,
                  lock: bool = False):
         non_empty_path("workdir", workdir)
         self.experiment = experiment
         self.workdir = Path(workdir)
-        self.feed = Feed(experiment)  # reads the data first: a bad path fails before any work
+        self.objective = get_objective(experiment.objective)
+        # Reads the data first: a bad path fails before any work.
+        self.feed = self.objective.batches(experiment)
         self._lock = WorkdirLock(self.workdir)
         if lock and jax.process_index() == 0:
             self._lock.acquire()
@@ -92,6 +112,12 @@ class Trainer:
                                            config=run_identity(experiment),
                                            keep=experiment.train.keep_checkpoints,
                                            read_only=not lock, stored_form=stored_identity)
+        except ConfigMismatchError as error:
+            self._lock.release()
+            if not lock:
+                raise
+            raise ValueError(_refused_resume(self.workdir, experiment, error.differences)
+                             ) from None
         except BaseException:
             self._lock.release()
             raise
@@ -118,17 +144,14 @@ class Trainer:
             self.state_sharding = parallel.state_shardings(self.state, mesh)
             self.batch_sharding = parallel.batch_sharding(mesh)
             self.state = parallel.shard(self.state, self.state_sharding)
-        objective = OBJECTIVE_FUNCTIONS[experiment.objective]
-        kwargs = {"label_smoothing": experiment.label_smoothing,
-                  "mlm_probability": experiment.mlm_probability}
-        self.train_step = make_train_step(self.graphdef, self.rest, self.optimizer, objective,
-                                          grad_accum=t.grad_accum, objective_kwargs=kwargs,
+        loss = self.objective.loss(experiment)
+        self.train_step = make_train_step(self.graphdef, self.rest, self.optimizer, loss,
+                                          grad_accum=t.grad_accum,
                                           state_sharding=self.state_sharding, mesh=mesh,
                                           load_balancing_weight=t.load_balancing_weight,
                                           router_z_weight=t.router_z_weight,
                                           router_bias_rate=t.router_bias_rate)
-        self.eval_step = make_eval_step(self.graphdef, self.rest, objective,
-                                        objective_kwargs=kwargs, mesh=mesh)
+        self.eval_step = make_eval_step(self.graphdef, self.rest, loss, mesh=mesh)
 
     def restore(self, *, strict: bool = False) -> int:
         """Load the newest readable checkpoint into `self.state`; the step it holds (0: none).
@@ -211,7 +234,7 @@ def _run(trainer: Trainer, *, progress: bool) -> TrainResult:
                 trainer.state, trainer._device(trainer.feed.train(step - 1)))
             bar.update()
             trainer.checkpoints.check()  # a failed background save stops the run at once
-            stopping = stop.is_set()  # read once: a signal between two reads loses the save
+            stopping = stop.signum is not None  # read once: a later signal must still save
             log = step % t.log_every == 0 or step == t.steps
             evaluate = step % t.eval_every == 0 or step == t.steps
             save = step % t.checkpoint_every == 0 or step == t.steps or stopping
@@ -234,11 +257,39 @@ def _run(trainer: Trainer, *, progress: bool) -> TrainResult:
                 trainer.checkpoints.save(step, trainer.state.to_dict())
             clock.reset(step)  # tokens/s leaves evaluation and checkpointing out
             if stopping:
-                say(f"stopped by a signal after step {step}; the same command resumes")
+                say(f"stopped by {signal.Signals(stop.signum).name} after step {step}; the "
+                    "same command resumes")
                 break
+    artifacts = _artifacts(trainer.workdir)
     if lead:
-        plot_losses(read_metrics(writer.path), trainer.workdir / "loss.png", title=e.name)
-    return TrainResult(step=step, interrupted=stop.is_set(), validation=validation)
+        plot_losses(read_metrics(writer.path), artifacts["loss_plot"], title=e.name)
+    return TrainResult(step=step, signal=stop.signum, validation=validation, artifacts=artifacts)
+
+
+def _artifacts(workdir: Path) -> dict[str, Path]:
+    """Where the files of the run in `workdir` are (TrainResult.artifacts): the folders and
+    names that Checkpoints and MetricsWriter use, and the loss plot's."""
+    return {"checkpoints": workdir / "checkpoints", "metrics": workdir / "metrics.jsonl",
+            "loss_plot": workdir / "loss.png", "tensorboard": workdir / "tensorboard"}
+
+
+def _refused_resume(workdir: Path, experiment: Experiment, differences: list) -> str:
+    """Why `train` does not resume the run in `workdir` with `experiment`, and how to go on.
+    differences: (dotted key, stored value, new value), as `ConfigMismatchError` lists them."""
+    changed = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in differences)
+    message = (f"{workdir} holds a run of another config, and a run resumes only with the "
+               f"config it started with; differing fields (stored -> this run): {changed}. ")
+    stored = stored_experiment(workdir)
+    if stored.model != experiment.model or stored.peft.settings() is not None:
+        return message + "Train this config in a new --workdir."
+    message += (f"To train on from its newest checkpoint, start a new run from it: `tfx train "
+                f"{experiment.name} --workdir NEW_WORKDIR --init-from {workdir}` with these "
+                "options (train.init_from: its weights, with a new optimiser state and "
+                "learning-rate schedule; --steps counts the new run's steps).")
+    if any(key == "train.steps" for key, _, _ in differences):
+        message += (" A run is not extended in place: its learning-rate schedule spans its "
+                    "train.steps, so raising them would change the steps it has already taken.")
+    return message
 
 
 class _Clock:
@@ -297,21 +348,27 @@ class _Guard:
                               f"saving ({kept}). {hint}")
 
 
+class _Stop:
+    """The number of the first SIGTERM/SIGINT received (None until one is)."""
+
+    signum: int | None = None
+
+
 @contextlib.contextmanager
 def _stop_on_signal():
-    """An Event set by the first SIGTERM/SIGINT (the loop then saves and stops); a second
+    """A `_Stop` that the first SIGTERM/SIGINT sets (the loop then saves and stops); a second
     signal gets the previous handler's behaviour."""
-    stop = threading.Event()
+    stop = _Stop()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def handler(signum, frame):
-        if stop.is_set():
+        if stop.signum is not None:
             signal.signal(signum, previous[signum])
             signal.raise_signal(signum)
-        stop.set()
+        stop.signum = signum
 
     for s in previous:
         signal.signal(s, handler)

@@ -1,6 +1,7 @@
-"""Training objectives: causal LM, masked LM (BERT) and sequence-to-sequence with teacher
-forcing. Each returns the loss summed over its targets, the number of targets and metric sums,
-so micro-batches of gradient accumulation add up exactly to the full batch's mean."""
+"""The losses of the training objectives (tfx.train.objectives): causal LM, masked LM (BERT) and
+sequence-to-sequence with teacher forcing. Each is `(model, batch, rng) -> (loss summed over
+its targets, number of targets, metric sums)`, so micro-batches of gradient accumulation add up
+exactly to the full batch's mean."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import optax
 
 from tfx.train.masking import mask_tokens
 
-__all__ = ["OBJECTIVE_FUNCTIONS", "causal_lm", "masked_lm", "sequence_to_sequence"]
+__all__ = ["causal_lm", "masked_lm", "sequence_to_sequence"]
 
 
-def causal_lm(model, batch: dict, rng: jax.Array, **_) -> tuple[jax.Array, jax.Array, dict]:
+def causal_lm(model, batch: dict, rng: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
     """Next-token prediction. batch["tokens"]: int [batch, seq + 1]; inputs are tokens[:, :-1]
     and targets tokens[:, 1:]."""
     del rng
@@ -22,7 +23,7 @@ def causal_lm(model, batch: dict, rng: jax.Array, **_) -> tuple[jax.Array, jax.A
     return _cross_entropy(logits, tokens[:, 1:], jnp.ones(tokens[:, 1:].shape, bool))
 
 
-def masked_lm(model, batch: dict, rng: jax.Array, *, mlm_probability: float = 0.15, **_):
+def masked_lm(model, batch: dict, rng: jax.Array, *, mlm_probability: float = 0.15):
     """BERT masked LM: 15% of the real, non-special tokens are chosen (80% -> [MASK], 10% ->
     random, 10% kept) and predicted. batch: "input_ids" int [batch, seq], "attention_mask"
     bool [batch, seq]."""
@@ -36,8 +37,7 @@ def masked_lm(model, batch: dict, rng: jax.Array, *, mlm_probability: float = 0.
                           chosen & batch["attention_mask"].astype(bool))
 
 
-def sequence_to_sequence(model, batch: dict, rng: jax.Array, *, label_smoothing: float = 0.0,
-                         **_):
+def sequence_to_sequence(model, batch: dict, rng: jax.Array, *, label_smoothing: float = 0.0):
     """Teacher forcing: the decoder reads decoder_input_ids ([BOS] + target) and predicts
     labels (target + [EOS]) where label_mask is True; optional label smoothing.
 
@@ -69,5 +69,3 @@ def _cross_entropy(logits, labels, weights, label_smoothing: float = 0.0):
     count = weights.sum()
     return (losses * weights).sum(), count, {"correct": correct.sum(), "targets": count}
 
-
-OBJECTIVE_FUNCTIONS = {"causal_lm": causal_lm, "mlm": masked_lm, "seq2seq": sequence_to_sequence}

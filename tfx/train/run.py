@@ -33,7 +33,7 @@ from tfx.train.config import (
     stored_identity,
 )
 from tfx.train.data import Tokenizer
-from tfx.train.feed import experiment_tokenizer
+from tfx.train.objectives import get_objective
 from tfx.train.optim import make_optimizer
 from tfx.train.pretrained import pretrained_params
 from tfx.train.step import init_train_state
@@ -63,13 +63,14 @@ def load_run(workdir: str | Path, *, step: int | None = None) -> Run:
       `Run(model, tokenizer, experiment, step)`, the model on the default device in eval mode
       (dropout off), its parameters in their training dtype (float32 master weights).
     Raises:
-      ValueError naming the workdir: no run there, no checkpoint yet, a `step` that is not
-        saved, or a config this tfx cannot read. `tfx.train.CorruptCheckpointError` (a
-        ValueError) when the checkpoint asked for (by default the newest) is damaged: an older
-        step is never loaded in its place without being asked for.
+      ValueError: naming the workdir: no run there, no checkpoint yet, a `step` that is not
+        saved, or a config this tfx cannot read.
+      tfx.train.CorruptCheckpointError: (a ValueError) when the checkpoint asked for (by
+        default the newest) is damaged: an older step is never loaded in its place without
+        being asked for.
     """
     experiment = stored_experiment(workdir)
-    tokenizer = experiment_tokenizer(experiment)
+    tokenizer = get_objective(experiment.objective).tokenizer(experiment)
     # A full fine-tune's checkpoint holds every weight: its base run need not be read again.
     model, trainable = initial_model(experiment,
                                      base_weights=experiment.peft.method != "full")

@@ -116,8 +116,8 @@ def _merge(graphdef, params, frozen, rest, rng, *, train: bool):
 
 
 def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
-                    optimizer: optax.GradientTransformation, objective: Callable, *,
-                    grad_accum: int = 1, objective_kwargs: dict | None = None,
+                    optimizer: optax.GradientTransformation, loss: Callable, *,
+                    grad_accum: int = 1,
                     state_sharding=None, mesh: jax.sharding.Mesh | None = None,
                     load_balancing_weight: float = _TRAIN.load_balancing_weight,
                     router_z_weight: float = _TRAIN.router_z_weight,
@@ -125,11 +125,12 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
     """Compile `(state, batch) -> (state, metrics)`; a non-finite step is skipped (see the
     module docstring).
 
-    objective: `(model, batch, rng, **objective_kwargs) -> (loss_sum, count, metric_sums)`
-      (see tfx.train.objectives). batch: dict of arrays with a leading [batch] axis divisible
-      by grad_accum. metrics: float32 scalars "loss" (mean over targets, plus the weighted
-      MoE auxiliary losses of a model with experts), "grad_norm", "accuracy", the objective's
-      own sums divided by their counts, and MOE_METRICS for a model with experts.
+    loss: `(model, batch, rng) -> (loss_sum, count, metric_sums)`, an objective's loss
+      (`tfx.train.objectives.Objective.loss`, tfx.train.losses). batch: dict of arrays with a
+      leading [batch] axis divisible by grad_accum. metrics: float32 scalars "loss" (mean
+      over targets, plus the weighted MoE auxiliary losses of a model with experts),
+      "grad_norm", "accuracy", the loss's own sums divided by their counts, and MOE_METRICS
+      for a model with experts.
     state_sharding: a TrainState of shardings to keep the state on (tfx.parallel); the state
       argument is donated.
     mesh: the mesh the step is traced under; mixture-of-experts layers split their experts
@@ -138,12 +139,10 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
       settings (tfx.train.config.TrainConfig): the weights of its routing losses in the loss,
       and the step of its "deepseek" selection biases.
     """
-    kwargs = objective_kwargs or {}
-
     def sums_and_grads(params, frozen, batch, rng):
         def loss_sum(p):
             model = _merge(graphdef, p, frozen, rest, rng, train=True)
-            total, count, metrics = objective(model, batch, jax.random.fold_in(rng, 0), **kwargs)
+            total, count, metrics = loss(model, batch, jax.random.fold_in(rng, 0))
             total, metrics = add_moe_losses(model, total, count, metrics,
                                             load_balancing_weight=load_balancing_weight,
                                             router_z_weight=router_z_weight)
@@ -243,19 +242,17 @@ def compiler_options(*, has_experts: bool) -> dict | None:
     return {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
-def make_eval_step(graphdef: nnx.GraphDef, rest: nnx.State, objective: Callable, *,
-                   objective_kwargs: dict | None = None,
+def make_eval_step(graphdef: nnx.GraphDef, rest: nnx.State, loss: Callable, *,
                    mesh: jax.sharding.Mesh | None = None) -> Callable:
     """Compile `(state, batch, rng) -> (loss_sum, count, metric_sums)` in eval mode (no
     dropout), for a TrainState (its params and frozen weights); sum these over batches and
-    divide (see `finish_eval`). mesh: as in `make_train_step`."""
-    kwargs = objective_kwargs or {}
+    divide (see `finish_eval`). loss, mesh: as in `make_train_step`."""
 
     @jax.jit
     @_under(mesh)
     def eval_step(state: TrainState, batch, rng):
         model = _merge(graphdef, state.params, state.frozen, rest, rng, train=False)
-        return objective(model, batch, rng, **kwargs)
+        return loss(model, batch, rng)
 
     return eval_step
 

@@ -1,0 +1,156 @@
+"""Training objectives as objects: what a run trains for, with its model family, tokenizer,
+batches and loss in one place.
+
+    objective = get_objective(experiment.objective)   # "causal_lm", "mlm", "seq2seq"
+    objective.model_config      # DecoderConfig, EncoderConfig, EncoderDecoderConfig
+    objective.tokenizer(experiment), objective.batches(experiment), objective.loss(experiment)
+    objective.can_sample        # its model continues text (`tfx sample`, `tfx.generate`)
+
+An experiment names its objective (`Experiment.objective`, the name stored in a run's
+config.json and given on the command line); `OBJECTIVES` maps each name to its object once. A
+new objective is one more class here and its entry in OBJECTIVES, never a branch elsewhere.
+
+This module imports no jax (the command line validates configs without it): the feeds and
+losses, which need numpy and jax, are imported when asked for. The loss functions themselves
+live in `tfx.train.losses` (and import from here too, lazily).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar
+
+from tfx.models.config import DecoderConfig, EncoderConfig, EncoderDecoderConfig
+
+if TYPE_CHECKING:
+    from tfx.train.config import Experiment
+    from tfx.train.data import Tokenizer
+    from tfx.train.feed import TaskFeed, TextFeed
+
+__all__ = ["OBJECTIVES", "CausalLM", "MaskedLM", "Objective", "SequenceToSequence",
+           "get_objective"]
+
+# (model, batch, rng) -> (loss summed over the targets, number of targets, metric sums)
+Loss = Callable
+
+
+class Objective(abc.ABC):
+    """What a run trains for. A kind is a frozen dataclass subclass giving its `name` (as
+    stored and named on the command line), `model_config` (the config class of the model
+    family it trains), `can_sample` (whether the model continues text) and its feed and
+    loss."""
+
+    name: ClassVar[str]
+    model_config: ClassVar[type]
+    can_sample: ClassVar[bool] = False
+
+    def check(self, experiment: Experiment) -> None:
+        """Refuse an experiment this objective cannot train: a model of another family
+        (TypeError naming both)."""
+        if type(experiment.model) is not self.model_config:
+            raise TypeError(f"objective {self.name!r} needs model: "
+                            f"{self.model_config.__name__}, got {type(experiment.model).__name__}")
+
+    def tokenizer(self, experiment: Experiment) -> Tokenizer:
+        """The tokenizer the model reads, checked against the model config (ValueError)."""
+        return self._feed().tokenizer_of(experiment)
+
+    def batches(self, experiment: Experiment) -> TextFeed | TaskFeed:
+        """The run's feed (`train(step)`, `validation()`, `tokens_per_batch`, `tokenizer`);
+        reads the data, so a bad path fails here."""
+        return self._feed()(experiment)
+
+    @abc.abstractmethod
+    def loss(self, experiment: Experiment) -> Loss:
+        """`(model, batch, rng) -> (loss_sum, count, metric_sums)` with the experiment's
+        settings of this loss (tfx.train.losses)."""
+
+    @abc.abstractmethod
+    def _feed(self) -> type[TextFeed | TaskFeed]:
+        """The feed class (tfx.train.feed), imported when asked for: it needs numpy."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalLM(Objective):
+    """Next-token prediction on text (GPT): batches of corpus windows."""
+
+    name: ClassVar[str] = "causal_lm"
+    model_config: ClassVar[type] = DecoderConfig
+    can_sample: ClassVar[bool] = True
+
+    def loss(self, experiment: Experiment) -> Loss:
+        from tfx.train.losses import causal_lm
+
+        return causal_lm
+
+    def _feed(self) -> type[TextFeed | TaskFeed]:
+        from tfx.train.feed import TextFeed
+
+        return TextFeed
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedLM(Objective):
+    """BERT's masked LM on text: experiment.mlm_probability of the tokens are predicted."""
+
+    name: ClassVar[str] = "mlm"
+    model_config: ClassVar[type] = EncoderConfig
+
+    def loss(self, experiment: Experiment) -> Loss:
+        from tfx.train.losses import masked_lm
+
+        return functools.partial(masked_lm, mlm_probability=experiment.mlm_probability)
+
+    def _feed(self) -> type[TextFeed | TaskFeed]:
+        from tfx.train.feed import MaskedFeed
+
+        return MaskedFeed
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceToSequence(Objective):
+    """Teacher-forced encoder-decoder training on a synthetic task (data.task), with
+    experiment.label_smoothing."""
+
+    name: ClassVar[str] = "seq2seq"
+    model_config: ClassVar[type] = EncoderDecoderConfig
+
+    def check(self, experiment: Experiment) -> None:
+        super().check(experiment)
+        if experiment.data.task is None:
+            raise ValueError(f"objective {self.name!r} needs data.task (copy, reverse, sort, "
+                             "addition)")
+
+    def loss(self, experiment: Experiment) -> Loss:
+        from tfx.train.losses import sequence_to_sequence
+
+        return functools.partial(sequence_to_sequence, label_smoothing=experiment.label_smoothing)
+
+    def _feed(self) -> type[TextFeed | TaskFeed]:
+        from tfx.train.feed import TaskFeed
+
+        return TaskFeed
+
+
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in (CausalLM(), MaskedLM(),
+                                                         SequenceToSequence())}
+
+
+def get_objective(name: str) -> Objective:
+    """The objective registered as `name`; ValueError listing the names otherwise."""
+    if name not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {tuple(OBJECTIVES)}, got {name!r}")
+    return OBJECTIVES[name]
+
+
+def __getattr__(name: str):
+    """The loss functions by their old address (`from tfx.train.objectives import causal_lm`),
+    imported with jax only when asked for."""
+    if name in ("causal_lm", "masked_lm", "sequence_to_sequence"):
+        from tfx.train import losses
+
+        return getattr(losses, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
