@@ -38,8 +38,8 @@ import numpy as np
 from tfx.generation import generate
 from tfx.train.config import Experiment
 from tfx.train.experiments import get_experiment
-from tfx.train.feed import Feed
 from tfx.train.loop import Trainer
+from tfx.train.objectives import get_objective
 from tfx.train.tasks import SyntheticTask
 
 NAME = "mlm_and_seq2seq"
@@ -99,7 +99,7 @@ def most_frequent_byte(experiment: Experiment) -> tuple[str, float]:
     """The most frequent byte of the validation batches' text and its share of their real,
     non-special tokens: the expected masked accuracy of always predicting it (masking picks
     those tokens uniformly)."""
-    c, feed = experiment.model, Feed(experiment)
+    c, feed = experiment.model, get_objective(experiment.objective).batches(experiment)
     t = c.special_tokens
     specials = [t.pad_id, t.cls_id, t.sep_id, t.mask_id]
     ids = np.concatenate([b["input_ids"][b["attention_mask"]] for b in feed.validation()])
@@ -151,7 +151,7 @@ def seq2seq_metrics(trainer: Trainer, examples: dict, unseen: np.ndarray) -> dic
 
 def seen_in_training(experiment: Experiment, sources: list[str]) -> np.ndarray:
     """bool [len(sources)]: whether some training batch of `experiment` holds each source."""
-    feed = Feed(experiment)
+    feed = get_objective(experiment.objective).batches(experiment)
     seen = {text for step in range(experiment.train.steps)
             for text in source_texts(feed.task, feed.train(step))}
     return np.array([text in seen for text in sources])
