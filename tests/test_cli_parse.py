@@ -69,12 +69,13 @@ def test_an_interrupted_run_exits_128_plus_the_signal(monkeypatch, tmp_path, cap
                                                       status):
     import tfx.train.loop
 
-    result = types.SimpleNamespace(step=3, interrupted=True, validation={}, signal=number)
+    artifacts = {"checkpoints": tmp_path / "checkpoints", "loss_plot": tmp_path / "loss.png"}
+    result = types.SimpleNamespace(step=3, signal=number, validation={}, artifacts=artifacts)
     monkeypatch.setattr(tfx.train.loop, "train", lambda *args, **kwargs: result)
     (tmp_path / "checkpoints").mkdir()
     assert main(["train", "--workdir", str(tmp_path)]) == status
     out, err = capsys.readouterr()
-    assert f"checkpoints: {tmp_path / 'checkpoints'}" in out
+    assert f"artifacts: checkpoints: {tmp_path / 'checkpoints'}\n" in out  # loss.png: not yet
     assert f"interrupted at step 3 by {signal.Signals(number).name}" in err
 
 

@@ -24,12 +24,11 @@ def train(command) -> int:
     # Multi-process runs (flags or TFX_* environment variables); one process: nothing.
     parallel.initialize(command.coordinator_address, command.num_processes, command.process_id)
     result = train_loop(experiment, workdir, progress=not command.no_progress)
-    print(_artifacts(workdir))
-    if result.interrupted:
-        number = getattr(result, "signal", None) or signal.SIGINT
-        print(f"interrupted at step {result.step} by {signal.Signals(number).name}; run the "
-              f"same command to resume", file=sys.stderr)
-        return 128 + number
+    print(_artifacts(result.artifacts))
+    if result.signal is not None:
+        print(f"interrupted at step {result.step} by {signal.Signals(result.signal).name}; "
+              f"run the same command to resume", file=sys.stderr)
+        return 128 + result.signal
     if _samples(experiment):
         text = _generate(workdir, prompt="def ", max_new_tokens=200, temperature=0.8)
         print(f"sample after {result.step} steps:\n{text[0]}")
@@ -42,18 +41,17 @@ def _workdir(text: str) -> Path:
     return Path(text)
 
 
-def _artifacts(workdir: Path) -> str:
-    """Where a run's files are (tfx.train.loop and tfx.train.metrics write them)."""
-    names = {"checkpoints": "checkpoints", "metrics.jsonl": "metrics", "loss.png": "loss curve",
-             "tensorboard": "TensorBoard events"}
-    found = [f"{what}: {workdir / name}" for name, what in names.items()
-             if (workdir / name).exists()]
-    return "artifacts: " + ("; ".join(found) if found else f"none yet in {workdir}")
+def _artifacts(artifacts: dict[str, Path]) -> str:
+    """The run's files that exist (TrainResult.artifacts: name -> path), on one line."""
+    found = [f"{name}: {path}" for name, path in artifacts.items() if path.exists()]
+    return "artifacts: " + ("; ".join(found) if found else "none yet")
 
 
 def _samples(experiment) -> bool:
-    """Whether the run's model generates text (a causal LM)."""
-    return experiment.objective == "causal_lm"
+    """Whether the run's model continues text (its objective's `can_sample`)."""
+    from tfx.train.objectives import get_objective
+
+    return get_objective(experiment.objective).can_sample
 
 
 def sample(command) -> int:
