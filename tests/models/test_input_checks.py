@@ -143,11 +143,92 @@ def test_empty_inputs_are_refused(decoder, encoder, seq2seq, shape):
             call(jnp.zeros(shape, jnp.int32))
 
 
-def test_numpy_ids_are_accepted_and_lists_refused(decoder):
-    ids = np.asarray([[1, 2, 3]])
-    chex.assert_trees_all_close(decoder(ids), decoder(jnp.asarray(ids)))
-    with pytest.raises(TypeError, match="input_ids must be a jax or numpy int array"):
-        decoder([[1, 2, 3]])
+def _every_argument(decoder, encoder, seq2seq):
+    """(model call, its array arguments) for every family: ids, masks, token types,
+    positions."""
+    ids, ones = [[1, 2, 3]], [[1, 1, 0]]
+    return [
+        (decoder, dict(input_ids=ids, attention_mask=ones, position_ids=[[0, 1, 2]],
+                       segment_ids=[[0, 0, 1]])),
+        (encoder, dict(input_ids=ids, attention_mask=ones, token_type_ids=[[0, 1, 1]],
+                       position_ids=[[0, 1, 2]])),
+        (seq2seq, dict(input_ids=ids, attention_mask=ones, decoder_input_ids=[[1, 2]],
+                       decoder_attention_mask=[[1, 0]])),
+    ]
+
+
+def test_numpy_arrays_and_nested_lists_are_taken_alike(decoder, encoder, seq2seq):
+    """Before: a list raised TypeError for input_ids, AttributeError for the masks, while
+    tfx.generate took lists."""
+    for model, arguments in _every_argument(decoder, encoder, seq2seq):
+        ids = arguments.pop("input_ids")
+        expected = model(jnp.asarray(ids), **{k: jnp.asarray(v) for k, v in arguments.items()})
+        chex.assert_trees_all_close(
+            model(np.asarray(ids), **{k: np.asarray(v) for k, v in arguments.items()}), expected)
+        chex.assert_trees_all_close(model(ids, **arguments), expected)
+    # Under jit a list is a structure of traced ints: taken the same way, and checked in
+    # checked mode.
+    chex.assert_trees_all_close(jax.jit(lambda ids: decoder(ids))([[1, 2, 3]]),
+                                decoder(_ids(1, 2, 3)))
+    with pytest.raises(ValueError, match=re.escape(f"input_ids {VOCAB_RANGE}, got {VOCAB}")):
+        checked(lambda model, ids: model(ids))(decoder, [[1, VOCAB]])
+
+
+@pytest.mark.parametrize("argument", ["input_ids", "attention_mask", "token_type_ids",
+                                      "position_ids"])
+def test_ragged_lists_and_other_types_are_refused(encoder, argument):
+    arguments = dict(input_ids=[[1, 2]], attention_mask=[[1, 1]], token_type_ids=[[0, 1]],
+                     position_ids=[[0, 1]])
+    with pytest.raises(ValueError, match=re.escape(argument) + r" \(.*\): a nested list must "
+                       "hold numbers in rows of one length, got a ragged or mixed list"):
+        encoder(**{**arguments, argument: [[1, 2], [1]]})
+    with pytest.raises(TypeError, match=f"{argument} must be a jax or numpy array"):
+        encoder(**{**arguments, argument: "12"})
+
+
+def test_masks_of_another_shape_are_refused(decoder, encoder, seq2seq):
+    """Before: an error about a broadcast deep in attention, naming no argument (or a silent
+    broadcast)."""
+    message = "attention_mask must have the shape of input_ids (1, 3), got (1, 2)"
+    for model in (decoder, encoder):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            model(_ids(1, 2, 3), attention_mask=jnp.ones((1, 2)))
+    with pytest.raises(ValueError, match=re.escape(
+            "decoder_attention_mask must have the shape of decoder_input_ids (1, 2), got (1, 3)")):
+        seq2seq(_ids(1), decoder_input_ids=_ids(1, 2), decoder_attention_mask=jnp.ones((1, 3)))
+
+
+def test_sequences_longer_than_the_learned_table_are_refused(decoder, encoder, seq2seq):
+    """Named by their argument, eagerly, under plain jit and in checked mode (a shape).
+    Before: a message from the position table naming no argument."""
+    long, ok = jnp.ones((1, MAX_LEN + 1), jnp.int32), _ids(1, 2)
+    table = f"which exceeds the learned position table (config.max_len = {MAX_LEN})"
+    calls = [(lambda ids: decoder(ids), "input_ids"), (lambda ids: encoder(ids), "input_ids"),
+             (lambda ids: seq2seq(ids, decoder_input_ids=ok), "input_ids"),
+             (lambda ids: seq2seq(ok, decoder_input_ids=ids), "decoder_input_ids")]
+    for call, name in calls:
+        message = re.escape(f"{name} has {MAX_LEN + 1} tokens, {table}")
+        for run in (call, jax.jit(call), checked(call)):
+            with pytest.raises(ValueError, match=message):
+                run(long)
+        assert bool(jnp.all(jnp.isfinite(call(jnp.ones((1, MAX_LEN), jnp.int32)))))  # fits
+
+
+def test_a_soft_prompt_takes_room_from_the_sequence():
+    model = SoftPrompt(num_tokens=3).attach(Decoder(DecoderConfig(**TINY), rngs=nnx.Rngs(0)),
+                                            rngs=nnx.Rngs(1))
+    with pytest.raises(ValueError, match=re.escape(
+            f"input_ids has {MAX_LEN - 2} tokens, which exceeds the learned position table "
+            f"(config.max_len - 3 leading vectors = {MAX_LEN - 3})")):
+        model(jnp.ones((1, MAX_LEN - 2), jnp.int32))
+
+
+def test_other_positions_have_no_table_and_max_len_limits_nothing():
+    """RoPE, ALiBi, T5, sinusoidal: config.max_len is informative (generate sizes its cache by
+    it); a longer sequence is computed as given."""
+    for position in ("rope", "alibi", "sinusoidal", "none"):
+        model = Decoder(DecoderConfig(**{**TINY, "position": position}), rngs=nnx.Rngs(0))
+        assert bool(jnp.all(jnp.isfinite(model(jnp.ones((1, 2 * MAX_LEN), jnp.int32)))))
 
 
 # Checked mode: the same checks on traced values, through jax.experimental.checkify.

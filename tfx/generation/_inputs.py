@@ -20,18 +20,16 @@ __all__ = ["integer", "prompt_and_mask", "real", "source_fits", "token_ids"]
 
 def prompt_and_mask(input_ids, attention_mask,
                     vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """int [batch >= 1, length >= 1] ids in [0, vocab_size) (an array or nested lists) and
-    their bool mask (all True when None), on the host. Padding ids are checked too: the model
-    embeds them before the mask hides them."""
-    ids = np.asarray(input_ids)
-    checks.token_ids("input_ids", ids, vocab_size)
-    if attention_mask is None:
+    """int [batch >= 1, length >= 1] ids in [0, vocab_size) and their mask (all True when
+    None; otherwise of the ids' shape, nonzero = real token), as the models take them (jax or
+    numpy arrays or nested lists, `tfx.models.checks`), on the host as numpy arrays. Padding
+    ids are checked too: the model embeds them before the mask hides them."""
+    ids, mask = checks.ids_and_mask("input_ids", input_ids, "attention_mask", attention_mask,
+                                    vocab_size)
+    ids = np.asarray(ids)
+    if mask is None:
         return ids, np.ones(ids.shape, bool)
-    mask = np.asarray(attention_mask)
-    if mask.shape != ids.shape:
-        raise ValueError(f"attention_mask must have the shape of input_ids {ids.shape}, got "
-                         f"{mask.shape}")
-    mask = mask.astype(bool)
+    mask = np.asarray(mask).astype(bool)
     if not mask.any(axis=1).all():
         raise ValueError("attention_mask has a row without any real token")
     return ids, mask

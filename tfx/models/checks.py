@@ -1,9 +1,12 @@
-"""Checks of the values that models are called with: token ids, token types, learned positions
-and room in a KV cache. Each failure raises ValueError naming the argument, the offending value
-(and where it is) and the allowed range; nothing is clamped.
+"""Checks of the values that models are called with: token ids and masks, token types, learned
+positions (given ones and the length of a sequence) and room in a KV cache. Each failure raises
+ValueError naming the argument, the offending value (and where it is) and the allowed range;
+nothing is clamped.
 
-Shapes and dtypes are static, so they are checked whenever a model is called or traced. Values
-are checked where they are known:
+Inputs are jax or numpy arrays or nested Python lists (taken as `jnp.asarray` takes them); any
+other type is a TypeError. Shapes and dtypes are static, so they are checked whenever a model is
+called or traced (a sequence longer than a learned position table, too). Values are checked where
+they are known:
 - on concrete arrays (a model called eagerly, e.g. in a notebook), always;
 - on traced values (inside `jax.jit`, `nnx.jit`, `lax.scan`...), only in checked mode, i.e.
   inside a function wrapped by `checked`: the same checks then run as
@@ -31,8 +34,8 @@ from jax.experimental import checkify
 from tfx.models.config import TransformerConfig
 from tfx.ops.kv_cache import KVCache
 
-__all__ = ["cache_room", "checked", "ids_array", "in_range", "learned_positions", "same_shape",
-           "token_ids"]
+__all__ = ["as_array", "cache_room", "checked", "ids_and_mask", "ids_array", "in_range",
+           "int_array", "positions", "same_shape", "sequence_fits", "token_ids"]
 
 # True while `checked` traces its function: only then do traced values get checkify checks.
 _CHECKED = contextvars.ContextVar("tfx_checked_mode", default=False)
@@ -78,36 +81,75 @@ def checked(fn: Callable) -> Callable:
     return run
 
 
-def ids_array(name: str, ids) -> None:
-    """Require an int [batch, seq] array (jax or numpy; a Python list is a TypeError, since
-    under jit it would be a structure of Python ints rather than one traced array)."""
-    if not (hasattr(ids, "shape") and hasattr(ids, "dtype")):
-        raise TypeError(f"{name} must be a jax or numpy int array [batch, seq], got "
-                        f"{type(ids).__name__} (wrap it with jnp.asarray)")
+def as_array(name: str, x, layout: str = "[batch, seq]"):
+    """`x` as an array: a jax or numpy array as it is, a nested list or tuple (of ints, bools or
+    arrays, traced ones too) through `jnp.asarray`; anything else is a TypeError. A ragged
+    list is a ValueError."""
+    if isinstance(x, list | tuple):
+        try:
+            return jnp.asarray(x)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} ({layout}): a nested list must hold numbers in rows of "
+                             f"one length, got a ragged or mixed list") from None
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be a jax or numpy array {layout} (or a nested list), got "
+                        f"{type(x).__name__}")
+    return x
+
+
+def ids_array(name: str, ids):
+    """Require int [batch, seq] ids (a jax or numpy array or a nested list); returns them as an
+    array."""
+    ids = as_array(name, ids)
     if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"{name} must be int [batch, seq], got {ids.dtype} {tuple(ids.shape)}")
+    return ids
 
 
-def token_ids(name: str, ids, vocab_size: int) -> None:
-    """Require int [batch >= 1, seq >= 1] ids in [0, vocab_size).
+def token_ids(name: str, ids, vocab_size: int):
+    """Require int [batch >= 1, seq >= 1] ids in [0, vocab_size); returns them as an array.
 
     An empty batch or an empty sequence has no token to compute anything from (no logits to
     sample, no [CLS] to pool), so it is refused rather than passed to the layers.
     """
-    ids_array(name, ids)
+    ids = ids_array(name, ids)
     if 0 in ids.shape:
         raise ValueError(f"{name} must hold at least one sequence of at least one token, got "
                          f"shape {tuple(ids.shape)}")
     in_range(name, ids, 0, vocab_size, "the vocabulary, vocab_size")
+    return ids
 
 
-def same_shape(name: str, x, reference_name: str, reference) -> None:
-    """Require the array `x` to have `reference`'s shape (no silent broadcast)."""
-    if not hasattr(x, "shape"):
-        raise TypeError(f"{name} must be a jax or numpy array, got {type(x).__name__}")
+def ids_and_mask(ids_name: str, ids, mask_name: str, mask, vocab_size: int):
+    """`token_ids` and their optional padding mask (bool, int or float [batch, seq] of their
+    shape, nonzero = real token), both as arrays (the mask None when not given)."""
+    ids = token_ids(ids_name, ids, vocab_size)
+    if mask is None:
+        return ids, None
+    mask = same_shape(mask_name, mask, ids_name, ids)
+    if not (jnp.issubdtype(mask.dtype, jnp.bool_) or jnp.issubdtype(mask.dtype, jnp.number)):
+        raise ValueError(f"{mask_name} must be bool or numbers (1 = real token), got {mask.dtype}")
+    return ids, mask
+
+
+def int_array(name: str, x, reference_name: str | None = None, reference=None):
+    """Require an int array (or nested list) of any shape, or of `reference`'s shape when one
+    is given; returns it as an array."""
+    x = as_array(name, x, "of ints") if reference is None else same_shape(
+        name, x, reference_name, reference)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an int array, got {x.dtype}")
+    return x
+
+
+def same_shape(name: str, x, reference_name: str, reference):
+    """Require the array (or nested list) `x` to have `reference`'s shape (no silent
+    broadcast); returns it as an array."""
+    x = as_array(name, x, f"of the shape of {reference_name}")
     if tuple(x.shape) != tuple(reference.shape):
         raise ValueError(f"{name} must have the shape of {reference_name} "
                          f"{tuple(reference.shape)}, got {tuple(x.shape)}")
+    return x
 
 
 def in_range(name: str, x, low: int, high: int, what: str) -> None:
@@ -129,14 +171,34 @@ def in_range(name: str, x, low: int, high: int, what: str) -> None:
     _require(message, ok, x)
 
 
-def learned_positions(name: str, positions, config: TransformerConfig, offset: int = 0) -> None:
-    """Require `positions` (int, any shape) in [0, config.max_len - offset) when the model has a
-    learned position table (offset: the leading vectors in front, `tfx.models.leading`);
-    no-op otherwise."""
+def sequence_fits(name: str, ids, config: TransformerConfig, offset: int = 0) -> None:
+    """Require the ids [batch, seq] at the default positions 0 .. seq - 1 (after `offset`
+    leading vectors, `tfx.models.leading`) to fit a learned position table: offset + seq <=
+    config.max_len. A shape, so checked under any jit. Other positional encodings have no
+    table: config.max_len limits nothing there."""
+    room = config.max_len - offset
+    if config.position == "learned" and ids.shape[1] > room:
+        raise ValueError(f"{name} has {ids.shape[1]} tokens, which exceeds the learned "
+                         f"position table (config.max_len{_leading(offset)} = {room})")
+
+
+def positions(name: str, positions, ids_name: str, ids, config: TransformerConfig,
+              offset: int = 0):
+    """A call's position ids -> None or them as an int array: None (the default positions)
+    must fit as `sequence_fits`; given ones, with a learned position table, must be in
+    [0, config.max_len - offset) (offset: the leading vectors in front)."""
+    if positions is None:
+        sequence_fits(ids_name, ids, config, offset)
+        return None
+    positions = int_array(name, positions)
     if config.position == "learned":
         in_range(name, positions, 0, config.max_len - offset,
-                 "the learned position table, config.max_len"
-                 + (f" - {offset} leading vectors" if offset else ""))
+                 f"the learned position table, config.max_len{_leading(offset)}")
+    return positions
+
+
+def _leading(offset: int) -> str:
+    return f" - {offset} leading vectors" if offset else ""
 
 
 def cache_room(name: str, cache: KVCache, valid, config: TransformerConfig) -> None:

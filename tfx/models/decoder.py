@@ -44,8 +44,9 @@ class Decoder(nnx.Module):
         """Next-token logits.
 
         Args:
-          input_ids: int [batch, seq], a jax or numpy array (not a list) of ids in
-            [0, vocab_size), batch and seq >= 1.
+          input_ids: int [batch, seq] of ids in [0, vocab_size), batch and seq >= 1; with
+            position="learned" seq <= max_len. Every array argument is a jax or numpy array or
+            a nested list.
           attention_mask: optional [batch, seq], 1/True for real tokens, 0/False for padding.
           position_ids: optional int [batch, seq] (default 0 .. seq - 1); within the learned
             table (< max_len) for position="learned".
@@ -57,8 +58,9 @@ class Decoder(nnx.Module):
         Returns:
           float32 [batch, seq, vocab_size]; with a cache, also the updated cache.
         Raises:
-          ValueError for ids, positions or cache room out of range: always on concrete arrays,
-          and under jit in checked mode (`tfx.models.checked`); see `tfx.models.checks`.
+          ValueError: for ids, positions or cache room out of range: always on concrete
+            arrays, and under jit in checked mode (`tfx.models.checked`); see
+            `tfx.models.checks`.
         """
         hidden = self.hidden_states(input_ids, attention_mask=attention_mask,
                                     position_ids=position_ids, segment_ids=segment_ids,
@@ -73,7 +75,8 @@ class Decoder(nnx.Module):
         """[batch, seq] -> the final-normalised hidden states [batch, seq, d_model] (and the
         updated cache when one is given). Leading vectors (`embeddings.num_leading`) run before
         the tokens and their positions are dropped (with a cache, `init_cache` ran them)."""
-        checks.token_ids("input_ids", input_ids, self.config.vocab_size)
+        input_ids, attention_mask = checks.ids_and_mask(
+            "input_ids", input_ids, "attention_mask", attention_mask, self.config.vocab_size)
         if cache is not None:
             if position_ids is not None or segment_ids is not None:
                 raise ValueError("with a cache, positions come from the cache: position_ids and "
@@ -90,8 +93,10 @@ class Decoder(nnx.Module):
             checks.cache_room("input_ids", cache, valid, self.config)
             return self._cached(input_ids, valid, cache)
         skip = self.embeddings.num_leading
-        if position_ids is not None:
-            checks.learned_positions("position_ids", position_ids, self.config, skip)
+        position_ids = checks.positions("position_ids", position_ids, "input_ids", input_ids,
+                                        self.config, skip)
+        if segment_ids is not None:
+            segment_ids = checks.int_array("segment_ids", segment_ids, "input_ids", input_ids)
         positions = jnp.arange(input_ids.shape[1]) if position_ids is None else position_ids
         if skip:
             if segment_ids is not None:

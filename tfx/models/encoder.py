@@ -30,7 +30,7 @@ def token_types_from_separators(input_ids: jax.Array, sep_token_id: int) -> jax.
     Returns:
       int32 [batch, seq]. Padding after B gets 1 too; it is masked out anyway.
     """
-    checks.ids_array("input_ids", input_ids)
+    input_ids = checks.ids_array("input_ids", input_ids)
     is_sep = (input_ids == sep_token_id).astype(jnp.int32)
     seps_before = jnp.cumsum(is_sep, axis=1) - is_sep  # [SEP]s strictly before each token
     return (seps_before >= 1).astype(jnp.int32)
@@ -65,8 +65,9 @@ class Encoder(nnx.Module):
         """Last hidden state.
 
         Args:
-          input_ids: int [batch, seq], e.g. [CLS] A [SEP] B [SEP] and padding: a jax or
-            numpy array of ids in [0, vocab_size), batch and seq >= 1.
+          input_ids: int [batch, seq], e.g. [CLS] A [SEP] B [SEP] and padding: ids in
+            [0, vocab_size), batch and seq >= 1, seq <= max_len for position="learned". Every
+            array argument is a jax or numpy array or a nested list.
           attention_mask: optional [batch, seq], 1/True for real tokens.
           token_type_ids: optional int [batch, seq] in [0, type_vocab_size): 0 through the
             first [SEP], 1 after (see `token_types_from_separators`); zeros when None, as in
@@ -76,17 +77,19 @@ class Encoder(nnx.Module):
         Returns:
           float32 [batch, seq, d_model] (leading vectors' positions are dropped).
         Raises:
-          ValueError for values out of range, as `Decoder` (see `tfx.models.checks`).
+          ValueError: for values out of range, as `Decoder` (see `tfx.models.checks`).
         """
         c = self.config
-        checks.token_ids("input_ids", input_ids, c.vocab_size)
+        input_ids, attention_mask = checks.ids_and_mask(
+            "input_ids", input_ids, "attention_mask", attention_mask, c.vocab_size)
         skip = self.embeddings.num_leading
         if token_type_ids is not None:
-            checks.same_shape("token_type_ids", token_type_ids, "input_ids", input_ids)
+            token_type_ids = checks.int_array("token_type_ids", token_type_ids, "input_ids",
+                                              input_ids)
             checks.in_range("token_type_ids", token_type_ids, 0, c.type_vocab_size,
                             "the token types, type_vocab_size")
-        if position_ids is not None:
-            checks.learned_positions("position_ids", position_ids, c, skip)
+        position_ids = checks.positions("position_ids", position_ids, "input_ids", input_ids, c,
+                                        skip)
         positions = jnp.arange(input_ids.shape[1]) if position_ids is None else position_ids
         if skip:
             positions, attention_mask, token_type_ids = leading_inputs(

@@ -28,8 +28,9 @@ class EncoderDecoder(nnx.Module):
     Call it like Hugging Face's T5ForConditionalGeneration:
     `logits = model(input_ids, attention_mask=mask, decoder_input_ids=ids)`.
 
-    input_ids and decoder_input_ids are int [batch, seq] jax or numpy arrays of ids in
-    [0, vocab_size), batch and seq >= 1; a decoding cache must have room for the tokens fed.
+    input_ids and decoder_input_ids are int [batch, seq] ids in [0, vocab_size), batch and
+    seq >= 1 (seq <= max_len for position="learned"), and their masks of the same shape: jax or
+    numpy arrays or nested lists; a decoding cache must have room for the tokens fed.
     Values out of range raise ValueError (see `tfx.models.checks`, also for checked mode).
     """
 
@@ -64,7 +65,10 @@ class EncoderDecoder(nnx.Module):
         front, [batch, G + src_len, d_model], so that the decoder attends to them too;
         `decode` and `init_cache` still take the [batch, src_len] attention_mask of the tokens.
         """
-        checks.token_ids("input_ids", input_ids, self.config.vocab_size)
+        input_ids, attention_mask = checks.ids_and_mask(
+            "input_ids", input_ids, "attention_mask", attention_mask, self.config.vocab_size)
+        checks.sequence_fits("input_ids", input_ids, self.config,
+                             self.encoder_embeddings.num_leading)
         positions = jnp.arange(input_ids.shape[1])
         if self.encoder_embeddings.num_leading:
             positions, attention_mask, _ = leading_inputs(
@@ -85,12 +89,14 @@ class EncoderDecoder(nnx.Module):
         keys/values come from the cache, the tokens continue each sequence, and the updated
         cache is returned as well.
         """
-        checks.token_ids("decoder_input_ids", decoder_input_ids, self.config.vocab_size)
-        mask = (None if decoder_attention_mask is None
-                else decoder_attention_mask.astype(bool))
+        decoder_input_ids, mask = checks.ids_and_mask(
+            "decoder_input_ids", decoder_input_ids, "decoder_attention_mask",
+            decoder_attention_mask, self.config.vocab_size)
+        mask = None if mask is None else mask.astype(bool)
         if cache is None:
             if encoded is None:
                 raise ValueError("decode needs the encoder output `encoded` or a `cache`")
+            checks.sequence_fits("decoder_input_ids", decoder_input_ids, self.config)
             positions = jnp.arange(decoder_input_ids.shape[1])
             hidden = self.decoder(self.decoder_embeddings(decoder_input_ids, positions),
                                   positions=positions,
@@ -141,7 +147,7 @@ class EncoderDecoder(nnx.Module):
         output (with True for the encoder's leading vectors in front)."""
         if attention_mask is None:
             return None
-        attention_mask = prepend(attention_mask.astype(bool),
+        attention_mask = prepend(checks.as_array("attention_mask", attention_mask).astype(bool),
                                  self.encoder_embeddings.num_leading, True)
         return padding_mask(attention_mask)
 
