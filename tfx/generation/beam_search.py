@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from tfx.generation._inputs import integer, prompt_and_mask, real, source_fits, token_ids
+from tfx.generation._outputs import lengths
 from tfx.models.encoder_decoder import EncoderDecoder
 
 __all__ = ["beam_search"]
@@ -47,7 +48,7 @@ def beam_search(model: EncoderDecoder, input_ids, *, num_beams: int, max_new_tok
                 length_penalty: float = 1.0, early_stopping: bool | str = False,
                 attention_mask=None, eos_token_id: int | Sequence[int] | None = None,
                 pad_token_id: int | None = None, num_return_sequences: int = 1,
-                return_scores: bool = False):
+                return_scores: bool = False, return_lengths: bool = False):
     """Beam search from an encoder–decoder, like transformers' `generate(num_beams=...)`.
 
     Args:
@@ -63,16 +64,21 @@ def beam_search(model: EncoderDecoder, input_ids, *, num_beams: int, max_new_tok
       attention_mask: [batch, src_len], 1 for real tokens and 0 for padding.
       eos_token_id: token id(s) that finish a hypothesis, or None (hypotheses end at
         max_new_tokens).
-      pad_token_id: filler after EOS (default: the first eos_token_id, else 0).
+      pad_token_id: filler after EOS; default: the first eos_token_id, else 0 (as
+        `tfx.generate`).
       num_return_sequences: best hypotheses returned per source, 1 <= n <= num_beams.
       return_scores: also return the hypotheses' length-penalised scores.
+      return_lengths: also return each hypothesis' length.
     Returns:
       int32 [batch * num_return_sequences, 1 + max_new_tokens]: the decoder start token, then
-      the tokens, best hypothesis first within each source; with return_scores also float32
-      [batch * num_return_sequences] scores (transformers' `sequences_scores`).
+      the tokens, best hypothesis first within each source; then, in this order, with
+      return_scores float32 [batch * num_return_sequences] scores (transformers'
+      `sequences_scores`), with return_lengths int32 [batch * num_return_sequences] lengths:
+      1 (the start token) + the tokens up to and including the first EOS (all max_new_tokens
+      without one).
     Raises:
-      ValueError, before anything compiles, for an argument out of range (numbers may be Python
-      or numpy scalars; NaN and infinities are refused).
+      ValueError: before anything compiles, for an argument out of range (numbers may be
+        Python or numpy scalars; NaN and infinities are refused).
     """
     if not isinstance(model, EncoderDecoder):
         raise TypeError(f"beam_search needs an encoder-decoder model (tfx EncoderDecoder), got "
@@ -110,9 +116,12 @@ def beam_search(model: EncoderDecoder, input_ids, *, num_beams: int, max_new_tok
     # Assembled on the host, as in `generate`, so that no glue op compiles per shape.
     tokens = np.asarray(tokens)[:, :num_return_sequences].reshape(-1, max_new_tokens)
     start = np.full((tokens.shape[0], 1), config.decoder_start_token_id)
-    tokens = jax.device_put(np.concatenate([start, tokens], axis=1).astype(np.int32))
-    scores = jax.device_put(np.asarray(scores)[:, :num_return_sequences].reshape(-1))
-    return (tokens, scores) if return_scores else tokens
+    out = [jax.device_put(np.concatenate([start, tokens], axis=1).astype(np.int32))]
+    if return_scores:
+        out.append(jax.device_put(np.asarray(scores)[:, :num_return_sequences].reshape(-1)))
+    if return_lengths:
+        out.append(jax.device_put(lengths(tokens, eos, 1)))
+    return tuple(out) if len(out) > 1 else out[0]
 
 
 def _gather(x: jax.Array, index: jax.Array) -> jax.Array:

@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from tfx.generation._inputs import integer, prompt_and_mask, real, source_fits, token_ids
+from tfx.generation._outputs import lengths
 from tfx.models.decoder import Decoder
 from tfx.models.encoder_decoder import EncoderDecoder
 from tfx.ops.sampling import sample_logits
@@ -38,7 +39,7 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              rng: jax.Array | None = None, attention_mask=None,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
-             bucket: bool = True) -> jax.Array:
+             bucket: bool = True, return_lengths: bool = False):
     """Continue prompts with a KV cache.
 
     Args:
@@ -53,16 +54,26 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
       rng: a jax.random key, required when temperature > 0.
       attention_mask: [batch, prompt_len], 1 for real tokens and 0 for padding (left or right).
       eos_token_id: token id(s) that end a sequence; after it a sequence emits `pad_token_id`.
-      pad_token_id: filler after EOS (default: the first eos_token_id, else 0).
+      pad_token_id: filler after EOS, in [0, vocab_size). Default: the first eos_token_id
+        (else 0), since tfx's decoder and encoder–decoder configs hold no pad id; pass the
+        tokenizer's (T5: 0, Hugging Face's `pad_token_id`) to keep padding apart from EOS.
       bucket: pad the prompt (masked) to a power-of-two length so that nearby prompt lengths
         share one compiled program.
+      return_lengths: also return each row's length (the numpy convention of
+        `return_index=`-style flags: the result becomes a tuple).
     Returns:
-      int32 [batch, prompt_len + max_new_tokens] for decoders (prompt, then new tokens), or
-      [batch, 1 + max_new_tokens] for encoder–decoders (decoder start token, then new tokens).
+      int32 [batch, prompt_len + max_new_tokens] for decoders (the prompt as given, padding
+      included, then the new tokens), or [batch, 1 + max_new_tokens] for encoder–decoders
+      (decoder start token, then new tokens). With return_lengths, `(tokens, lengths)`:
+      lengths int32 [batch], the columns before the new tokens (all prompt_len columns of a
+      decoder's prompt, left or right padding included; the start token of an encoder–decoder)
+      plus the new tokens up to and including the row's first EOS (all max_new_tokens without
+      one), so `tokens[i, :lengths[i]]` is row i without its filler; subtract the prompt
+      mask's zeros for a count of real tokens.
     Raises:
-      ValueError, before anything compiles, for an argument out of range (numbers may be Python
-      or numpy scalars; NaN and infinities are refused), or a prompt + max_new_tokens longer
-      than the model's max_len (its learned positions or its cache).
+      ValueError: before anything compiles, for an argument out of range (numbers may be
+        Python or numpy scalars; NaN and infinities are refused), or a prompt +
+        max_new_tokens longer than the model's max_len (its learned positions or its cache).
     """
     if not isinstance(model, Decoder | EncoderDecoder):
         raise TypeError(f"model must be a tfx Decoder or EncoderDecoder, got "
@@ -101,7 +112,11 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
                        jnp.int32(pad_token_id), max_new_tokens=max_new_tokens)
     # Assembled on the host: a device concatenate would compile once per prompt length.
     first = np.full((ids.shape[0], 1), config.decoder_start_token_id) if seq2seq else ids
-    return jax.device_put(np.concatenate([first, np.asarray(tokens)], axis=1).astype(np.int32))
+    tokens = np.asarray(tokens)
+    out = jax.device_put(np.concatenate([first, tokens], axis=1).astype(np.int32))
+    if not return_lengths:
+        return out
+    return out, jax.device_put(lengths(tokens, eos, first.shape[1]))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
