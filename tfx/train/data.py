@@ -215,7 +215,8 @@ def text_files(path: str | os.PathLike) -> list[Text]:
     UserWarning says how many of each, with an example path.
 
     Raises:
-      ValueError naming `data` when the path is empty, missing or unreadable or yields no text.
+      ValueError: naming `data` when the path is empty, missing or unreadable or yields no
+        text.
     """
     if isinstance(path, str) and not path.strip():  # pathlib would read "" as "."
         raise ValueError(f"data: the path must not be empty, got {path!r}")
@@ -260,7 +261,7 @@ def split_texts(texts: Sequence[Text], val_fraction: float = 0.05) -> tuple[list
     Both lists keep the input order.
 
     Raises:
-      ValueError naming `val_fraction` when it is not in (0, 1) or leaves a side empty.
+      ValueError: naming `val_fraction` when it is not in (0, 1) or leaves a side empty.
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
@@ -374,7 +375,7 @@ def mlm_batch(stream: TokenStream, step: int, batch_size: int, seq_len: int, *, 
 
     Returns:
       {"input_ids": int32 [batch_size, seq_len], "attention_mask": bool [batch_size, seq_len]
-       (True on CLS, text and SEP)}.
+        (True on CLS, text and SEP)}.
     """
     step, seed = _check_int("step", step, 0), _check_int("seed", seed, 0)
     batch_size = _check_int("batch_size", batch_size, 1)

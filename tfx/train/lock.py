@@ -37,8 +37,8 @@ class WorkdirLock:
         """Take the lock without waiting.
 
         Raises:
-          WorkdirBusyError (a ValueError) naming the holder's process id when it is taken.
-          OSError naming the workdir when it cannot be created or written (read-only file
+          WorkdirBusyError: (a ValueError) naming the holder's process id when it is taken.
+          OSError: naming the workdir when it cannot be created or written (read-only file
             system, a regular file in the way, a full disk, no permission).
         """
         if self._fd is not None:
