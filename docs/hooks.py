@@ -20,7 +20,10 @@ log = logging.getLogger("mkdocs.hooks.tfx")
 
 
 def on_files(files: Files, config) -> Files:
-    files.append(File.generated(config, "guide.md", abs_src_path=str(ROOT / "README.md")))
+    # The README links docs/architecture.md from the repository root; on the site both pages
+    # are at the top.
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").replace("](docs/", "](")
+    files.append(File.generated(config, "guide.md", content=readme))
     for folder in RESULTS:
         for path in sorted((ROOT / folder).glob("*")):
             if path.suffix in (".md", ".png"):
