@@ -21,8 +21,8 @@ import pytest
 from flax import nnx
 
 import tfx.models as models
-from tfx.models.functional import pure
 from tfx.models.expert_losses import moe_losses
+from tfx.models.functional import pure
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 MARK = "apply, params, rest = pure(model)"  # the line that identifies the README block
