@@ -114,3 +114,28 @@ def test_beam_search_lengths(seq2seq):
     for got, expected in zip(both, (plain, scores, lengths), strict=True):
         np.testing.assert_array_equal(got, expected)
     assert isinstance(tfx.beam_search(seq2seq, ids, **search), jnp.ndarray)
+
+
+def test_the_default_pad_is_the_configs_pad_id(decoder, seq2seq):
+    """Without pad_token_id the filler is the config's embeddings.pad_id (what tfx.hf.load
+    reads from config.json's pad_token_id), not EOS."""
+    ids, mask = prompts_and_mask("left")
+    greedy = dict(max_new_tokens=NEW, temperature=0.0, attention_mask=mask)
+    eos = an_eos_that_stops_a_row_early(np.asarray(tfx.generate(decoder, ids, **greedy)), PROMPT)
+    padded = Decoder(decoder.config.replace(embeddings={"pad_id": PAD}), rngs=nnx.Rngs(0))
+    tokens, lengths = tfx.generate(padded, ids, **greedy, eos_token_id=eos, return_lengths=True)
+    check(tokens, lengths, PROMPT, eos)
+    search = dict(num_beams=3, max_new_tokens=NEW, attention_mask=mask)
+    eos = an_eos_that_stops_a_row_early(np.asarray(tfx.beam_search(seq2seq, ids, **search)), 1)
+    config = seq2seq.config.replace(embeddings={"pad_id": PAD})
+    t5 = nnx.merge(nnx.graphdef(type(seq2seq)(config, rngs=nnx.Rngs(0))), nnx.state(seq2seq))
+    tokens, lengths = tfx.beam_search(t5, ids, **search, eos_token_id=eos, return_lengths=True)
+    check(tokens, lengths, 1, eos)
+
+
+@pytest.mark.parametrize(("pad_id", "error"), [(VOCAB, ValueError), (-1, ValueError),
+                                               (True, TypeError)])
+def test_a_pad_id_outside_the_vocabulary_is_refused(pad_id, error):
+    with pytest.raises(error, match=r"embeddings\.pad_id"):
+        DecoderConfig(vocab_size=VOCAB, d_model=32, num_layers=1, num_heads=4, d_ff=64,
+                      embeddings={"pad_id": pad_id})

@@ -51,6 +51,16 @@ def token_ids(name: str, value, vocab_size: int) -> list[int]:
     return [int(v) for v in values]
 
 
+def pad_id(config: TransformerConfig, pad_token_id, eos: list[int]) -> int:
+    """The filler after EOS: `pad_token_id`, else the config's `embeddings.pad_id`, else the
+    first EOS id (else 0), checked to be in the vocabulary."""
+    if pad_token_id is None:
+        pad_token_id = config.embeddings.pad_id
+    if pad_token_id is None:
+        pad_token_id = eos[0] if eos else 0
+    return token_ids("pad_token_id", pad_token_id, config.vocab_size)[0]
+
+
 def integer(name: str, value, *, minimum: int = 1) -> int:
     """A Python or numpy int >= minimum, as an int."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tfx.generation._inputs import integer, prompt_and_mask, real, source_fits, token_ids
+from tfx.generation._inputs import integer, pad_id, prompt_and_mask, real, source_fits, token_ids
 from tfx.generation._outputs import lengths
 from tfx.models.encoder_decoder import EncoderDecoder
 
@@ -64,8 +64,8 @@ def beam_search(model: EncoderDecoder, input_ids, *, num_beams: int, max_new_tok
       attention_mask: [batch, src_len], 1 for real tokens and 0 for padding.
       eos_token_id: token id(s) that finish a hypothesis, or None (hypotheses end at
         max_new_tokens).
-      pad_token_id: filler after EOS; default: the first eos_token_id, else 0 (as
-        `tfx.generate`).
+      pad_token_id: filler after EOS; default: the config's `embeddings.pad_id`, else the first
+        eos_token_id, else 0 (as `tfx.generate`).
       num_return_sequences: best hypotheses returned per source, 1 <= n <= num_beams.
       return_scores: also return the hypotheses' length-penalised scores.
       return_lengths: also return each hypothesis' length.
@@ -96,9 +96,7 @@ def beam_search(model: EncoderDecoder, input_ids, *, num_beams: int, max_new_tok
     if not (isinstance(early_stopping, bool | np.bool_) or early_stopping == "never"):
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
     eos = token_ids("eos_token_id", eos_token_id, config.vocab_size)
-    if pad_token_id is None:
-        pad_token_id = eos[0] if eos else 0
-    token_ids("pad_token_id", pad_token_id, config.vocab_size)
+    pad_token_id = pad_id(config, pad_token_id, eos)
     candidates = max(2, 1 + len(eos)) * num_beams
     if candidates > config.vocab_size:
         raise ValueError(f"num_beams ({num_beams}) is too large for the vocabulary: each step "

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tfx.generation._inputs import integer, prompt_and_mask, real, source_fits, token_ids
+from tfx.generation._inputs import integer, pad_id, prompt_and_mask, real, source_fits, token_ids
 from tfx.generation._outputs import lengths
 from tfx.models.decoder import Decoder
 from tfx.models.encoder_decoder import EncoderDecoder
@@ -54,9 +54,9 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
       rng: a jax.random key, required when temperature > 0.
       attention_mask: [batch, prompt_len], 1 for real tokens and 0 for padding (left or right).
       eos_token_id: token id(s) that end a sequence; after it a sequence emits `pad_token_id`.
-      pad_token_id: filler after EOS, in [0, vocab_size). Default: the first eos_token_id
-        (else 0), since tfx's decoder and encoder–decoder configs hold no pad id; pass the
-        tokenizer's (T5: 0, Hugging Face's `pad_token_id`) to keep padding apart from EOS.
+      pad_token_id: filler after EOS, in [0, vocab_size). Default: the model config's
+        `embeddings.pad_id` (`tfx.hf.load` sets it from config.json's `pad_token_id`: T5's 0),
+        else the first eos_token_id (else 0).
       bucket: pad the prompt (masked) to a power-of-two length so that nearby prompt lengths
         share one compiled program.
       return_lengths: also return each row's length (the numpy convention of
@@ -84,9 +84,7 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
     max_new_tokens = integer("max_new_tokens", max_new_tokens)
     filters = _check_sampling(temperature, top_k, top_p, rng)
     eos = token_ids("eos_token_id", eos_token_id, config.vocab_size)
-    if pad_token_id is None:
-        pad_token_id = eos[0] if eos else 0
-    token_ids("pad_token_id", pad_token_id, config.vocab_size)
+    pad_token_id = pad_id(config, pad_token_id, eos)
     prompt_len = ids.shape[1]
     if seq2seq:
         needed, cap = 1 + max_new_tokens, config.max_len

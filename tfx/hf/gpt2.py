@@ -59,7 +59,7 @@ def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
         "num_heads": hf["n_head"], "d_ff": hf["n_inner"] or 4 * d_model,
         "max_len": hf["n_positions"], "mlp.activation": _ACTIVATIONS[hf["activation_function"]],
         "norm.eps": hf["layer_norm_epsilon"], "embeddings.tie": hf["tie_word_embeddings"],
-        "dropout": 0.0, **_FIXED}))
+        "embeddings.pad_id": hf.get("pad_token_id"), "dropout": 0.0, **_FIXED}))
 
 
 def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
@@ -85,7 +85,8 @@ def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
         "activation_function": activations[config.mlp.activation],
         "layer_norm_epsilon": config.norm.eps, "tie_word_embeddings": config.embeddings.tie,
         "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
-        "attn_pdrop": config.dropout, "dtype": config.compute.param_dtype, **_UNSUPPORTED,
+        "attn_pdrop": config.dropout, "dtype": config.compute.param_dtype,
+        "pad_token_id": config.embeddings.pad_id, **_UNSUPPORTED,
     }
 
 

@@ -80,7 +80,8 @@ def decoder_config(hf: dict, architecture: str, *, use_bias: bool, sliding_windo
         "d_ff": hf["intermediate_size"], "max_len": max_len, "norm.eps": hf["rms_norm_eps"],
         "rope.theta": float(rope.get("rope_theta", default_theta)),
         "rope.scaling": _scaling_from_hf(rope, hf, max_len, architecture), "use_bias": use_bias,
-        "embeddings.tie": hf["tie_word_embeddings"], "attention.sliding_window": sliding_window,
+        "embeddings.tie": hf["tie_word_embeddings"], "embeddings.pad_id": hf.get("pad_token_id"),
+        "attention.sliding_window": sliding_window,
         "dropout": 0.0, **_FIXED, **fields}))
 
 
@@ -119,7 +120,7 @@ def decoder_config_to_hf(config: DecoderConfig, architecture: str, model_type: s
         "rms_norm_eps": config.norm.eps, "tie_word_embeddings": config.embeddings.tie,
         "attention_dropout": config.dropout,
         "rope_parameters": _scaling_to_hf(config, architecture),
-        "dtype": config.compute.param_dtype,
+        "dtype": config.compute.param_dtype, "pad_token_id": config.embeddings.pad_id,
     }
 
 

@@ -75,7 +75,8 @@ def config_from_hf(hf: dict, architecture: str) -> EncoderDecoderConfig:
         attention=AttentionConfig(head_dim=hf.get("d_kv", 64), scale=1.0),
         mlp=MlpConfig(activation=activation, gated=gated),
         norm=NormConfig(kind="rms", eps=hf.get("layer_norm_epsilon", 1e-6), pre_norm=True),
-        use_bias=False, dropout=0.0, embeddings=EmbeddingsConfig(tie=bool(scaled)),
+        use_bias=False, dropout=0.0,
+        embeddings=EmbeddingsConfig(tie=bool(scaled), pad_id=hf.get("pad_token_id", 0)),
         scale_tied_head=bool(scaled), decoder_start_token_id=start or 0)
 
 
@@ -125,7 +126,9 @@ def config_to_hf(config: EncoderDecoderConfig, architecture: str) -> dict:
         "is_gated_act": c.mlp.gated, "is_encoder_decoder": True,
         "tie_word_embeddings": c.embeddings.tie,
         "scale_decoder_outputs": c.embeddings.tie and c.scale_tied_head,
-        "decoder_start_token_id": c.decoder_start_token_id, "pad_token_id": 0, "eos_token_id": 1,
+        "decoder_start_token_id": c.decoder_start_token_id,
+        "pad_token_id": 0 if c.embeddings.pad_id is None else c.embeddings.pad_id,
+        "eos_token_id": 1,
     }
 
 

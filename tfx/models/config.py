@@ -132,6 +132,10 @@ class TransformerConfig:
         for name, kind in SUBCONFIGS.items():
             if hasattr(self, name):
                 _check_part(self, name, kind)
+        pad = self.embeddings.pad_id
+        if pad is not None and pad >= self.vocab_size:
+            raise ValueError(f"embeddings.pad_id must be < vocab_size ({self.vocab_size}), "
+                             f"got {pad}")
         if self.num_heads % self.kv_heads:
             raise ValueError(f"attention.num_kv_heads ({self.kv_heads}) must divide num_heads "
                              f"({self.num_heads})")

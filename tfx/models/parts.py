@@ -213,10 +213,16 @@ class EmbeddingsConfig:
     scale: bool = False
     """Multiply token embeddings by sqrt(d_model), as Vaswani et al. 2017 do: with small
     embeddings (std 0.02), sinusoidal positions of magnitude 1 would drown the token."""
+    pad_id: int | None = None
+    """The vocabulary's padding token, if it has one (T5: 0; Hugging Face's `pad_token_id`):
+    `tfx.generate` and `beam_search` fill finished rows with it. The table treats it like any
+    other id."""
 
     def __post_init__(self):
         boolean("embeddings.tie", self.tie)
         boolean("embeddings.scale", self.scale)
+        if self.pad_id is not None:
+            positive_int("embeddings.pad_id", self.pad_id, minimum=0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -138,12 +138,13 @@ class Stack(nnx.Module):
           mask: bool key mask broadcastable to [batch, heads, seq, seq] (padding), combined with
             the causal mask and the sliding window or attention pattern of the config.
           segment_ids: int [batch, seq] for packed sequences.
-          context, context_mask: encoder output (or per-layer cross keys/values from
-            `cross_keys_values`) and its mask for cross-attention.
-          cache, cache_step: per-layer self-attention caches (`KVCache.layers`) and the call's
-            `CacheStep`; visibility then comes from the cache's positions. Or per-layer
-            Transformer-XL memories (`SegmentMemory.hidden`) alone, with `mask` from
-            `SegmentMemory.mask`.
+          context: encoder output (or per-layer cross keys/values from `cross_keys_values`)
+            for cross-attention.
+          context_mask: the mask of `context` for cross-attention.
+          cache: per-layer self-attention caches (`KVCache.layers`), with `cache_step`;
+            visibility then comes from the cache's positions. Or per-layer Transformer-XL
+            memories (`SegmentMemory.hidden`) alone, with `mask` from `SegmentMemory.mask`.
+          cache_step: the call's `CacheStep`, with a KV cache.
           token_mask: bool [batch, seq], False for padding tokens, which mixture-of-experts
             layers then route nowhere.
         Returns:
