@@ -60,7 +60,8 @@ def load_run(workdir: str | Path, *, step: int | None = None) -> Run:
       workdir: the run's folder (it holds checkpoints/config.json and checkpoints/<step>/).
       step: the checkpoint to load; None: the newest one.
     Returns:
-      `Run(model, tokenizer, experiment, step)`, the model on the default device in eval mode
+      `Run(model, tokenizer, experiment, step)`, the model on this process's first device in
+      eval mode
       (dropout off), its parameters in their training dtype (float32 master weights).
     Raises:
       ValueError: naming the workdir: no run there, no checkpoint yet, a `step` that is not
@@ -74,7 +75,9 @@ def load_run(workdir: str | Path, *, step: int | None = None) -> Run:
     # A full fine-tune's checkpoint holds every weight: its base run need not be read again.
     model, trainable = initial_model(experiment,
                                      base_weights=experiment.peft.method != "full")
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    # This process's first device: in a multi-process run jax.devices()[0] belongs to
+    # process 0, and every process loads the run for itself.
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     template = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
         jax.eval_shape(lambda: _train_state(experiment, model, trainable)))
