@@ -152,20 +152,10 @@ def _beam_search(graphdef, state, ids, mask, eos, pad_token_id, length_penalty, 
                  *, num_beams: int, max_new_tokens: int):
     """The compiled program. Returns the finished hypotheses, best first: int32 tokens
     [batch, num_beams, max_new_tokens] and float32 scores [batch, num_beams]."""
-    model = nnx.merge(graphdef, state)
     batch, beams, steps = ids.shape[0], num_beams, max_new_tokens
     keep = max(2, 1 + eos.shape[0]) * beams
-    cache = model.init_cache(model.encode(ids, attention_mask=mask), steps, attention_mask=mask)
-    cache = cache.take(jnp.repeat(jnp.arange(batch), beams))  # row b * beams + k: beam k of b
     never = (early_stopping == EARLY_STOPPING["never"]) & (length_penalty > 0)
     stop_when_full = early_stopping == EARLY_STOPPING[True]
-    last = jnp.full((batch * beams,), model.config.decoder_start_token_id, jnp.int32)
-    running = jnp.full((batch, beams, steps), pad_token_id, jnp.int32)
-    # Only the first beam is live at first, so that the beams do not all pick the same tokens.
-    running_scores = jnp.zeros((batch, beams)).at[:, 1:].set(-1e9)
-    finished, finished_scores = running, jnp.full((batch, beams), -jnp.inf)
-    is_finished = jnp.zeros((batch, beams), bool)
-    open_rows = jnp.ones((batch,), bool)  # rows whose finished hypotheses may still improve
 
     def unfinished(carry):
         i, *_, is_finished, open_rows = carry
@@ -202,7 +192,23 @@ def _beam_search(graphdef, state, ids, mask, eos, pad_token_id, length_penalty, 
         return (i + 1, weights, running[:, :, i].reshape(-1), cache, running, running_scores,
                 finished, finished_scores, is_finished, open_rows)
 
-    carry = (jnp.int32(0), state, last, cache, running, running_scores, finished,
-             finished_scores, is_finished, open_rows)
-    carry = jax.lax.while_loop(unfinished, advance, carry)
+    start = _start(nnx.merge(graphdef, state), ids, mask, pad_token_id, beams, steps)
+    carry = jax.lax.while_loop(unfinished, advance, (jnp.int32(0), state, *start))
     return carry[6], carry[7]
+
+
+def _start(model, ids, mask, pad_token_id, beams: int, steps: int) -> tuple:
+    """The loop's state before the first step: (last tokens [batch * beams], the cache, running
+    [batch, beams, steps] and their scores, finished ones and theirs, is_finished, open_rows)."""
+    batch = ids.shape[0]
+    cache = model.init_cache(model.encode(ids, attention_mask=mask), steps, attention_mask=mask)
+    cache = cache.take(jnp.repeat(jnp.arange(batch), beams))  # row b * beams + k: beam k of b
+    last = jnp.full((batch * beams,), model.config.decoder_start_token_id, jnp.int32)
+    running = jnp.full((batch, beams, steps), pad_token_id, jnp.int32)
+    # Only the first beam is live at first, so that the beams do not all pick the same tokens.
+    running_scores = jnp.zeros((batch, beams)).at[:, 1:].set(-1e9)
+    finished_scores = jnp.full((batch, beams), -jnp.inf)
+    is_finished = jnp.zeros((batch, beams), bool)
+    open_rows = jnp.ones((batch,), bool)  # rows whose finished hypotheses may still improve
+    return (last, cache, running, running_scores, running, finished_scores, is_finished,
+            open_rows)

@@ -31,12 +31,23 @@ class FullTuning:
 
 
 class _Method:
-    """A `tfx.peft` method's settings: validated by building the method object."""
+    """A `tfx.peft` method's settings, its fields named as the method class's arguments:
+    validated by building the method object."""
 
     method: ClassVar[str]
+    peft_class: ClassVar[str]  # the tfx.peft class these settings build
 
     def __post_init__(self):
         self.settings()
+
+    def settings(self):
+        """The `tfx.peft` method object of these settings."""
+        from tfx import peft
+
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        # A stored run (JSON) gives lists where the method takes tuples.
+        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+        return getattr(peft, self.peft_class)(**fields)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,6 +55,7 @@ class LoraTuning(_Method):
     """LoRA (Hu et al. 2021): low-rank updates of the target projections (`tfx.peft.LoRA`)."""
 
     method: ClassVar[str] = "lora"
+    peft_class: ClassVar[str] = "LoRA"
     rank: int = 8
     """Rank r of each update."""
     alpha: float = 16.0
@@ -55,13 +67,6 @@ class LoraTuning(_Method):
     rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(r)."""
 
-    def settings(self):
-        """The `tfx.peft.LoRA` of these settings."""
-        from tfx import peft
-
-        return peft.LoRA(rank=self.rank, alpha=self.alpha, targets=tuple(self.targets),
-                         init_style=self.init_style, rslora=self.rslora)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PromptTuning(_Method):
@@ -69,16 +74,11 @@ class PromptTuning(_Method):
     (`tfx.peft.SoftPrompt`)."""
 
     method: ClassVar[str] = "prompt"
+    peft_class: ClassVar[str] = "SoftPrompt"
     num_tokens: int = 16
     """Learned positions."""
     init: Literal["random", "vocab"] = "vocab"
     """Start from random vectors or from embeddings of vocabulary tokens."""
-
-    def settings(self):
-        """The `tfx.peft.SoftPrompt` of these settings."""
-        from tfx import peft
-
-        return peft.SoftPrompt(num_tokens=self.num_tokens, init=self.init)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,16 +87,11 @@ class PrefixTuning(_Method):
     (`tfx.peft.Prefix`)."""
 
     method: ClassVar[str] = "prefix"
+    peft_class: ClassVar[str] = "Prefix"
     num_tokens: int = 16
     """Learned positions."""
     projection: int = 0
     """Width of the reparameterisation MLP; 0 for none."""
-
-    def settings(self):
-        """The `tfx.peft.Prefix` of these settings."""
-        from tfx import peft
-
-        return peft.Prefix(num_tokens=self.num_tokens, projection=self.projection)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,21 +100,15 @@ class AdapterTuning(_Method):
     (`tfx.peft.Adapters`)."""
 
     method: ClassVar[str] = "adapter"
+    peft_class: ClassVar[str] = "Adapters"
     size: int = 16
     """Bottleneck width."""
     placement: Literal["houlsby", "pfeiffer"] = "houlsby"
     """After attention and MLP (houlsby) or after the MLP only (pfeiffer)."""
 
-    def settings(self):
-        """The `tfx.peft.Adapters` of these settings."""
-        from tfx import peft
-
-        return peft.Adapters(size=self.size, placement=self.placement)
-
 
 METHODS = {kind.method: kind for kind in
            (FullTuning, LoraTuning, PromptTuning, PrefixTuning, AdapterTuning)}
-
 
 
 def peft_config(method: str, **settings) -> PeftConfig:
