@@ -69,7 +69,8 @@ class Block(nnx.Module):
         self.dropout = make_dropout(c.dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array, *, context: jax.Array | LayerKV | None = None,
-                 context_mask: jax.Array | None = None, cache: NoCache | None = None,
+                 context_mask: jax.Array | None = None,
+                 context_segment_ids: jax.Array | None = None, cache: NoCache | None = None,
                  token_mask: jax.Array | None = None,
                  **attention_args) -> jax.Array | tuple[jax.Array, LayerKV | jax.Array]:
         """[batch, seq, d_model] -> same (and the updated self-attention cache, given one).
@@ -79,6 +80,9 @@ class Block(nnx.Module):
             its keys and values cached by `cross_attention.keys_values`.
           context_mask: bool mask for the cross-attention, broadcastable to
             [batch, heads, seq, src_len].
+          context_segment_ids: int [batch, src_len], the segments of a packed `context`: a
+            query of segment k (the self-attention's `query_segment_ids`) then sees only the
+            context of segment k.
           cache: this layer's self-attention cache, a kind of `tfx.nn.caches` (KVLayer,
             SegmentLayer); the layer then also returns its next state.
           token_mask: bool [batch, seq], False for padding, for a mixture of experts (which
@@ -90,7 +94,11 @@ class Block(nnx.Module):
         h, cache = (h, None) if cache is None else h
         x = self.residual("attention", x, h)
         if self.cross_attention is not None:
-            h = self.cross_attention(self.branch_input("cross", x), context, mask=context_mask)
+            segments = {} if context_segment_ids is None else dict(
+                query_segment_ids=attention_args.get("query_segment_ids"),
+                key_segment_ids=context_segment_ids)
+            h = self.cross_attention(self.branch_input("cross", x), context, mask=context_mask,
+                                     **segments)
             x = self.residual("cross", x, h)
         h = self.branch_input("mlp", x)
         x = self.residual("mlp", x, self.mlp(h, token_mask) if isinstance(self.mlp, MoE)

@@ -61,7 +61,8 @@ class Encoder(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None,
                  token_type_ids: jax.Array | None = None,
-                 position_ids: jax.Array | None = None) -> jax.Array:
+                 position_ids: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
         """Last hidden state.
 
         Args:
@@ -74,6 +75,9 @@ class Encoder(nnx.Module):
             Hugging Face.
           position_ids: optional int [batch, seq] (default 0 .. seq - 1), within the learned
             table (< max_len) for position="learned".
+          segment_ids: optional int [batch, seq] for packed sequences: a token attends only to
+            tokens of its own segment (0 may mark padding, which then attends only padding).
+            Give each document's positions in `position_ids`.
         Returns:
           float32 [batch, seq, d_model] (leading vectors' positions are dropped).
         Raises:
@@ -90,14 +94,20 @@ class Encoder(nnx.Module):
                             "the token types, type_vocab_size")
         position_ids = checks.positions("position_ids", position_ids, "input_ids", input_ids, c,
                                         skip)
+        if segment_ids is not None:
+            segment_ids = checks.int_array("segment_ids", segment_ids, "input_ids", input_ids)
         positions = jnp.arange(input_ids.shape[1]) if position_ids is None else position_ids
         if skip:
+            if segment_ids is not None:
+                raise ValueError("segment_ids (packed sequences) cannot be used with leading "
+                                 "vectors, which sit before the whole row")
             positions, attention_mask, token_type_ids = leading_inputs(
                 skip, c, input_ids, positions, attention_mask, token_type_ids)
         mask = None if attention_mask is None else padding_mask(attention_mask.astype(bool))
         x = self.embeddings(input_ids, positions, token_type_ids,
                             leading=self.embeddings.leading(input_ids.shape[0]))
-        x = self.stack(x, positions=positions, mask=mask, token_mask=attention_mask)
+        x = self.stack(x, positions=positions, mask=mask, segment_ids=segment_ids,
+                       token_mask=attention_mask)
         return x[:, skip:].astype(jnp.float32)
 
     def pooled(self, hidden: jax.Array) -> jax.Array:

@@ -52,14 +52,30 @@ class EncoderDecoder(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, *, decoder_input_ids: jax.Array,
                  attention_mask: jax.Array | None = None,
-                 decoder_attention_mask: jax.Array | None = None) -> jax.Array:
-        """Decoder logits, float32 [batch, target_len, vocab_size] (teacher forcing)."""
-        encoded = self.encode(input_ids, attention_mask=attention_mask)
-        return self.decode(decoder_input_ids, encoded, attention_mask=attention_mask,
-                           decoder_attention_mask=decoder_attention_mask)
+                 decoder_attention_mask: jax.Array | None = None,
+                 position_ids: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                 decoder_position_ids: jax.Array | None = None,
+                 decoder_segment_ids: jax.Array | None = None) -> jax.Array:
+        """Decoder logits, float32 [batch, target_len, vocab_size] (teacher forcing).
 
-    def encode(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None):
+        Packed rows (several examples side by side) give each example's positions and segment
+        ids, int [batch, src_len] (`position_ids`, `segment_ids`) and [batch, target_len]
+        (`decoder_position_ids`, `decoder_segment_ids`): example k of a row is source segment
+        k and target segment k, and each attends only within its own example.
+        """
+        encoded = self.encode(input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids, segment_ids=segment_ids)
+        return self.decode(decoder_input_ids, encoded, attention_mask=attention_mask,
+                           decoder_attention_mask=decoder_attention_mask,
+                           position_ids=decoder_position_ids, segment_ids=decoder_segment_ids,
+                           encoder_segment_ids=segment_ids)
+
+    def encode(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None,
+               position_ids: jax.Array | None = None, segment_ids: jax.Array | None = None):
         """int [batch, src_len] -> encoder output [batch, src_len, d_model].
+
+        position_ids, segment_ids: optional int [batch, src_len] of packed sources (as in
+        `tfx.models.Encoder`).
 
         With G leading vectors (`encoder_embeddings.num_leading`) the output keeps them in
         front, [batch, G + src_len, d_model], so that the decoder attends to them too;
@@ -67,9 +83,8 @@ class EncoderDecoder(nnx.Module):
         """
         input_ids, attention_mask = checks.ids_and_mask(
             "input_ids", input_ids, "attention_mask", attention_mask, self.config.vocab_size)
-        checks.sequence_fits("input_ids", input_ids, self.config,
-                             self.encoder_embeddings.num_leading)
-        positions = jnp.arange(input_ids.shape[1])
+        positions, segment_ids = self._packing("", input_ids, position_ids, segment_ids,
+                                               self.encoder_embeddings.num_leading)
         if self.encoder_embeddings.num_leading:
             positions, attention_mask, _ = leading_inputs(
                 self.encoder_embeddings.num_leading, self.config, input_ids, positions,
@@ -77,13 +92,20 @@ class EncoderDecoder(nnx.Module):
         mask = None if attention_mask is None else padding_mask(attention_mask.astype(bool))
         leading = self.encoder_embeddings.leading(input_ids.shape[0])
         return self.encoder(self.encoder_embeddings(input_ids, positions, leading=leading),
-                            positions=positions, mask=mask, token_mask=attention_mask)
+                            positions=positions, mask=mask, segment_ids=segment_ids,
+                            token_mask=attention_mask)
 
     def decode(self, decoder_input_ids: jax.Array, encoded: jax.Array | None = None, *,
                attention_mask: jax.Array | None = None,
                decoder_attention_mask: jax.Array | None = None,
+               position_ids: jax.Array | None = None, segment_ids: jax.Array | None = None,
+               encoder_segment_ids: jax.Array | None = None,
                cache: Seq2SeqCache | None = None):
         """Decoder tokens and encoder output -> float32 logits [batch, target_len, vocab].
+
+        position_ids, segment_ids: optional int [batch, target_len] of packed targets, and
+        encoder_segment_ids int [batch, src_len] those of the packed sources: a target token of
+        segment k then attends only to source tokens of segment k.
 
         With a cache (from `init_cache`) the encoder output, its mask and the cross-attention
         keys/values come from the cache, the tokens continue each sequence, and the updated
@@ -96,14 +118,18 @@ class EncoderDecoder(nnx.Module):
         if cache is None:
             if encoded is None:
                 raise ValueError("decode needs the encoder output `encoded` or a `cache`")
-            checks.sequence_fits("decoder_input_ids", decoder_input_ids, self.config)
-            positions = jnp.arange(decoder_input_ids.shape[1])
+            positions, segment_ids = self._packing("decoder_", decoder_input_ids, position_ids,
+                                                   segment_ids)
             hidden = self.decoder(self.decoder_embeddings(decoder_input_ids, positions),
                                   positions=positions,
                                   mask=None if mask is None else padding_mask(mask),
-                                  context=encoded, context_mask=self._context_mask(attention_mask),
-                                  token_mask=mask)
+                                  segment_ids=segment_ids, context=encoded,
+                                  context_mask=self._context_mask(attention_mask),
+                                  context_segment_ids=encoder_segment_ids, token_mask=mask)
             return self._logits(hidden)
+        if any(x is not None for x in (position_ids, segment_ids, encoder_segment_ids)):
+            raise ValueError("with a cache, positions come from the cache: position_ids, "
+                             "segment_ids and encoder_segment_ids must be None")
         if encoded is not None or attention_mask is not None:
             raise ValueError("with a cache, the encoder output and its mask come from the cache: "
                              "encoded and attention_mask must be None")
@@ -141,6 +167,20 @@ class EncoderDecoder(nnx.Module):
                              stacked=c.compute.scan_layers)
         return Seq2SeqCache(decoder=decoder, cross=self.decoder.cross_keys_values(encoded),
                             context_mask=self._context_mask(attention_mask))
+
+    def _packing(self, prefix: str, ids: jax.Array, position_ids, segment_ids,
+                 leading: int = 0) -> tuple[jax.Array, jax.Array | None]:
+        """A stack's (positions, segment ids), checked: the given position ids (within a
+        learned table) or 0 .. seq - 1, and the segment ids (None: one sequence per row)."""
+        position_ids = checks.positions(f"{prefix}position_ids", position_ids,
+                                        f"{prefix}input_ids", ids, self.config, leading)
+        if segment_ids is not None:
+            if leading:
+                raise ValueError("segment_ids (packed sequences) cannot be used with leading "
+                                 "vectors, which sit before the whole row")
+            segment_ids = checks.int_array(f"{prefix}segment_ids", segment_ids,
+                                           f"{prefix}input_ids", ids)
+        return (jnp.arange(ids.shape[1]) if position_ids is None else position_ids), segment_ids
 
     def _context_mask(self, attention_mask: jax.Array | None) -> jax.Array | None:
         """The source mask [batch, src_len] -> the cross-attention key mask over the encoder

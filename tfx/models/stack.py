@@ -14,6 +14,7 @@ from tfx.nn.dropout import make_dropout
 from tfx.nn.embeddings import LearnedPositions, SinusoidalPositions, TokenEmbedding
 from tfx.nn.norms import make_norm
 from tfx.nn.relative_bias import RelativePositionBias
+from tfx.ops.context_parallel import split_sequence
 from tfx.ops.kv_cache import CacheStep, LayerKV
 from tfx.ops.sparse import SlidingWindow, SparsitySpec, parse_spec
 
@@ -128,6 +129,7 @@ class Stack(nnx.Module):
                  segment_ids: jax.Array | None = None,
                  context: jax.Array | LayerKV | tuple[LayerKV, ...] | None = None,
                  context_mask: jax.Array | None = None,
+                 context_segment_ids: jax.Array | None = None,
                  cache: LayerKV | tuple | jax.Array | None = None,
                  cache_step: CacheStep | None = None, token_mask: jax.Array | None = None):
         """[batch, seq, d_model] -> [batch, seq, d_model] (and the updated layer caches).
@@ -141,6 +143,8 @@ class Stack(nnx.Module):
           context: encoder output (or per-layer cross keys/values from `cross_keys_values`)
             for cross-attention.
           context_mask: the mask of `context` for cross-attention.
+          context_segment_ids: int [batch, src_len], the segments of a packed `context`
+            (cross-attention then keeps each of `segment_ids` to its own).
           cache: per-layer self-attention caches (`KVCache.layers`), with `cache_step`;
             visibility then comes from the cache's positions. Or per-layer Transformer-XL
             memories (`SegmentMemory.hidden`) alone, with `mask` from `SegmentMemory.mask`.
@@ -155,6 +159,7 @@ class Stack(nnx.Module):
                              "Transformer-XL memory, which hold no sparse pattern: call it on "
                              "whole sequences (generation needs a dense or sliding-window model)")
         sparsity, is_causal = self._visibility(cached=cache is not None)
+        x = split_sequence(x)  # under a mesh with a "sequence" axis: context parallelism
         key_positions = positions
         if cache_step is not None:
             positions, key_positions = cache_step.query_positions, cache_step.key_positions
@@ -163,7 +168,7 @@ class Stack(nnx.Module):
             bias = self.relative_bias(positions, key_positions)
         args = dict(mask=mask, bias=bias, is_causal=is_causal, sparsity=sparsity,
                     positions=positions, query_segment_ids=segment_ids,
-                    context_mask=context_mask)
+                    context_mask=context_mask, context_segment_ids=context_segment_ids)
         per_layer_context = isinstance(context, LayerKV | tuple)
         kind = SegmentLayer if cache_step is None else (lambda kv: KVLayer(kv, cache_step))
         if self.scan_layers:
