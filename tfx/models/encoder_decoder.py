@@ -168,18 +168,18 @@ class EncoderDecoder(nnx.Module):
         return Seq2SeqCache(decoder=decoder, cross=self.decoder.cross_keys_values(encoded),
                             context_mask=self._context_mask(attention_mask))
 
-    def _packing(self, prefix: str, ids: jax.Array, position_ids, segment_ids,
+    def _packing(self, side: str, ids: jax.Array, position_ids, segment_ids,
                  leading: int = 0) -> tuple[jax.Array, jax.Array | None]:
         """A stack's (positions, segment ids), checked: the given position ids (within a
         learned table) or 0 .. seq - 1, and the segment ids (None: one sequence per row)."""
-        position_ids = checks.positions(f"{prefix}position_ids", position_ids,
-                                        f"{prefix}input_ids", ids, self.config, leading)
+        position_ids = checks.positions(f"{side}position_ids", position_ids,
+                                        f"{side}input_ids", ids, self.config, leading)
         if segment_ids is not None:
             if leading:
                 raise ValueError("segment_ids (packed sequences) cannot be used with leading "
                                  "vectors, which sit before the whole row")
-            segment_ids = checks.int_array(f"{prefix}segment_ids", segment_ids,
-                                           f"{prefix}input_ids", ids)
+            segment_ids = checks.int_array(f"{side}segment_ids", segment_ids,
+                                           f"{side}input_ids", ids)
         return (jnp.arange(ids.shape[1]) if position_ids is None else position_ids), segment_ids
 
     def _context_mask(self, attention_mask: jax.Array | None) -> jax.Array | None:

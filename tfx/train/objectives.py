@@ -56,17 +56,40 @@ class Objective(abc.ABC):
 
     def tokenizer(self, experiment: Experiment) -> Tokenizer:
         """The tokenizer the model reads, checked against the model config (ValueError)."""
-        return self._feed().tokenizer_of(experiment)
+        return self._chosen_feed(experiment).tokenizer_of(experiment)
 
     def batches(self, experiment: Experiment) -> TextFeed | TaskFeed:
         """The run's feed (`train(step)`, `validation()`, `tokens_per_batch`, `tokenizer`);
         reads the data, so a bad path fails here."""
-        return self._feed()(experiment)
+        return self._chosen_feed(experiment)(experiment)
 
-    @abc.abstractmethod
     def loss(self, experiment: Experiment) -> Loss:
         """`(model, batch, rng) -> (loss_sum, count, metric_sums)` with the experiment's
-        settings of this loss (tfx.train.losses)."""
+        settings of this loss (tfx.train.losses; tfx.train.packed_losses with data.packing)."""
+        loss = self._loss()
+        if experiment.data.packing:
+            from tfx.train.packed_losses import PACKED_LOSSES
+
+            loss = PACKED_LOSSES[loss]
+        settings = self._loss_settings(experiment)
+        return functools.partial(loss, **settings) if settings else loss
+
+    def _chosen_feed(self, experiment: Experiment) -> type[TextFeed | TaskFeed]:
+        """The feed class, or its packed form (tfx.train.packed_feed) with data.packing: the
+        one place where packing picks the batches (and, in `loss`, the loss)."""
+        if experiment.data.packing:
+            from tfx.train.packed_feed import PACKED_FEEDS
+
+            return PACKED_FEEDS[self._feed()]
+        return self._feed()
+
+    @abc.abstractmethod
+    def _loss(self) -> Loss:
+        """The loss function (tfx.train.losses), imported when asked for: it needs jax."""
+
+    def _loss_settings(self, experiment: Experiment) -> dict:
+        """The experiment's keyword arguments of the loss."""
+        return {}
 
     @abc.abstractmethod
     def _feed(self) -> type[TextFeed | TaskFeed]:
@@ -81,7 +104,7 @@ class CausalLM(Objective):
     model_config: ClassVar[type] = DecoderConfig
     can_sample: ClassVar[bool] = True
 
-    def loss(self, experiment: Experiment) -> Loss:
+    def _loss(self) -> Loss:
         from tfx.train.losses import causal_lm
 
         return causal_lm
@@ -99,10 +122,13 @@ class MaskedLM(Objective):
     name: ClassVar[str] = "mlm"
     model_config: ClassVar[type] = EncoderConfig
 
-    def loss(self, experiment: Experiment) -> Loss:
+    def _loss(self) -> Loss:
         from tfx.train.losses import masked_lm
 
-        return functools.partial(masked_lm, mlm_probability=experiment.mlm_probability)
+        return masked_lm
+
+    def _loss_settings(self, experiment: Experiment) -> dict:
+        return {"mlm_probability": experiment.mlm_probability}
 
     def _feed(self) -> type[TextFeed | TaskFeed]:
         from tfx.train.feed import MaskedFeed
@@ -124,10 +150,13 @@ class SequenceToSequence(Objective):
             raise ValueError(f"objective {self.name!r} needs data.task (copy, reverse, sort, "
                              "addition)")
 
-    def loss(self, experiment: Experiment) -> Loss:
+    def _loss(self) -> Loss:
         from tfx.train.losses import sequence_to_sequence
 
-        return functools.partial(sequence_to_sequence, label_smoothing=experiment.label_smoothing)
+        return sequence_to_sequence
+
+    def _loss_settings(self, experiment: Experiment) -> dict:
+        return {"label_smoothing": experiment.label_smoothing}
 
     def _feed(self) -> type[TextFeed | TaskFeed]:
         from tfx.train.feed import TaskFeed

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Packed", "pack"]
+__all__ = ["Packed", "lay_out", "pack"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -76,6 +76,34 @@ def pack(documents: Sequence[np.ndarray], row_len: int, *, pad_id: int = 0) -> P
     starts, piece_lengths = _pieces(lengths, int(row_len))
     rows = _best_fit_decreasing(piece_lengths, int(row_len))
     return _layout(flat, starts, piece_lengths, rows, int(row_len), pad_id)
+
+
+def lay_out(documents: Sequence[np.ndarray], rows: np.ndarray, row_len: int, *,
+            pad_id: int = 0) -> Packed:
+    """Write documents into the rows chosen for them (by a packing of the caller's own, e.g. of
+    source and target sides together): in each row, its documents in input order, as segments
+    1, 2, ... with positions from 0.
+
+    Args:
+      documents: D 1-D integer arrays.
+      rows: int [D], the row of each document: rows 0 .. max(rows) each get at least one,
+        and the documents of a row hold at most row_len tokens in all.
+    Returns:
+      `Packed` with [max(rows) + 1, row_len] arrays.
+    Raises:
+      ValueError: naming `documents` (one is empty) or `rows` (a row too full or unused).
+    """
+    docs = _checked_documents(documents)
+    lengths = np.array([len(d) for d in docs], np.int64)
+    rows = np.asarray(rows, np.int64)
+    if lengths.min() < 1:
+        raise ValueError("documents must not be empty here: each is a segment")
+    load = np.bincount(rows, lengths) if rows.shape == lengths.shape else np.zeros(0)
+    if not load.size or load.max() > row_len or not np.all(np.bincount(rows)):
+        raise ValueError(f"rows must give each of the {len(docs)} documents a row, use every "
+                         f"row and fit {row_len} tokens in each, got loads {load.tolist()}")
+    return _layout(np.concatenate(docs), np.cumsum(lengths) - lengths, lengths, rows, row_len,
+                   pad_id)
 
 
 def _checked_documents(documents) -> list[np.ndarray]:
