@@ -16,6 +16,9 @@ BF16 = AttentionCase(dtype=jnp.bfloat16, q_len=1024, kv_len=1024, num_heads=8, n
 F32 = dataclasses.replace(BF16, dtype=jnp.float32)
 
 
+PLATFORMS = backends.PLATFORMS
+
+
 def case(base=BF16, **changes):
     return dataclasses.replace(base, **changes)
 
@@ -53,6 +56,15 @@ def case(base=BF16, **changes):
     ("tpu", case(has_mask=True, key_mask=True), "splash"),  # padding, as segment ids
     ("gpu", case(has_mask=True, key_mask=True), "blocked"),
     ("tpu", case(q_len=1000), "blocked"),
+    # Under a mesh whose "sequence" axis splits the sequence: context parallelism first, on
+    # every platform, for self-attention without a bias whose length cuts into 2n chunks.
+    *((platform, case(sequence_devices=4), "context_parallel") for platform in PLATFORMS),
+    ("cpu", case(sequence_devices=4, has_mask=True, key_mask=True), "context_parallel"),
+    ("cpu", case(sequence_devices=4, spec=None, q_len=1028, kv_len=1028), "context_parallel"),
+    ("cpu", case(sequence_devices=4, q_len=1028, kv_len=1028), "blocked"),  # not 8 chunks
+    ("cpu", case(sequence_devices=4, has_bias=True), "blocked"),
+    ("cpu", case(sequence_devices=4, kv_len=2048), "blocked"),  # cross-attention lengths
+    ("gpu", case(sequence_devices=1), "cudnn"),
 ])
 def test_selection_table(platform, attention, expected):
     assert select_attention(platform, attention) == expected
@@ -82,6 +94,10 @@ def test_every_platform_list_names_known_kernels_only():
     ("splash", "tpu", case(has_bias=True), "no bias"),
     ("splash", "tpu", case(kv_len=1000), "multiples of 128 (got 1024 and 1000)"),
     ("splash", "tpu", case(dtype=jnp.float64), "dtype float16 or bfloat16 or float32"),
+    ("context_parallel", "cpu", BF16, 'a mesh with a "sequence" axis of size >= 2'),
+    ("context_parallel", "cpu", case(sequence_devices=2, has_bias=True), "no bias"),
+    ("context_parallel", "cpu", case(sequence_devices=2, has_mask=True), "no mask other than"),
+    ("context_parallel", "cpu", case(sequence_devices=3), "divisible by 6 chunks"),
 ])
 def test_unavailable_names_what_is_missing(implementation, platform, attention, missing):
     reasons = attention_unavailable(implementation, platform, attention)
@@ -115,6 +131,7 @@ def _qkv(q_len=128, kv_len=128, heads=(4, 2), head_dim=64, dtype=jnp.float32):
     ("splash", {"bias": jnp.zeros((1, 1, 128, 128))}, r"'splash' cannot run.*needs no bias"),
     ("pallas_gpu", {"mask": jnp.ones((128, 128), bool)}, r"'pallas_gpu' cannot run.*no mask"),
     ("splash", {"kv_len": 100}, r"'splash' cannot run.*multiples of 128 \(got 128 and 100\)"),
+    ("context_parallel", {}, r"'context_parallel' cannot run.*a mesh with a \"sequence\" axis"),
 ])
 def test_forcing_an_unavailable_kernel_raises_before_running(implementation, kwargs, message):
     query, key, value = _qkv(kv_len=kwargs.pop("kv_len", 128))

@@ -29,6 +29,7 @@ CASES = {
     "fsdp8_accum2": (dict(data=1, fsdp=8), 2, MODEL),
     "moe_single": (None, 1, MOE_MODEL),
     "moe_data2_expert4": (dict(data=2, expert=4), 1, MOE_MODEL),
+    "data2_sequence4": (dict(data=2, sequence=4), 1, MODEL),
 }
 
 if __name__ == "__main__":

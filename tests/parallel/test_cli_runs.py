@@ -1,6 +1,6 @@
-"""`tfx train` itself on a mesh of 8 CPU devices (data x FSDP x tensor, and expert-parallel
-mixture of experts) and as two processes joined by jax.distributed: each ends where a
-one-device run of the same experiment ends."""
+"""`tfx train` itself on a mesh of 8 CPU devices (data x FSDP x tensor, expert-parallel
+mixture of experts, context-parallel sequences) and as two processes joined by
+jax.distributed: each ends where a one-device run of the same experiment ends."""
 
 from __future__ import annotations
 
@@ -102,4 +102,14 @@ def test_an_expert_parallel_run_matches_one_device(tmp_path):
                         experiment="moe_gpt"), _env(8))])
     ref_losses, ref_params, lr = _result(tmp_path / "one")
     losses, params, _ = _result(tmp_path / "eight")
+    assert_same_training(losses, params, ref_losses, ref_params, learning_rate=lr)
+
+
+@pytest.mark.slow
+def test_a_context_parallel_run_matches_one_device(tmp_path, single):
+    # mesh.sequence=4: every sequence split over 4 devices (ring attention), rows over 2.
+    corpus, (ref_losses, ref_params, lr) = single
+    _run_all([(_command(tmp_path / "run", corpus, "--mesh.data=2", "--mesh.sequence=4"),
+               _env(8))])
+    losses, params, _ = _result(tmp_path / "run")
     assert_same_training(losses, params, ref_losses, ref_params, learning_rate=lr)

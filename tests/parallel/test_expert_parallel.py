@@ -53,7 +53,7 @@ def layer_args(tokens=32, d_model=4, experts=8, d_ff=8):
 
 
 def mesh(data=1, expert=8):
-    return AbstractMesh((data, 1, expert, 1), AXES)
+    return AbstractMesh((data, 1, expert, 1, 1), AXES)
 
 
 @pytest.mark.parametrize("args, kwargs, message", [

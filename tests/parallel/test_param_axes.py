@@ -90,7 +90,8 @@ def specs_of(name: str) -> dict[str, list[str]]:
     params = nnx.split(build(name), nnx.Param, ...)[1]
     out = {}
     for sizes, rules in COLUMNS.values():
-        specs = param_specs(params, AbstractMesh(sizes, AXES), rules)
+        # (data, fsdp, expert, tensor) sizes, with no sequence split
+        specs = param_specs(params, AbstractMesh((*sizes[:3], 1, sizes[3]), AXES), rules)
         leaves = jax.tree.leaves_with_path(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
         for path, spec in leaves:
             out.setdefault(path_name(path), []).append(spelled(spec))

@@ -75,6 +75,6 @@ def _layer_args(tokens=16, d_model=4, experts=8, d_ff=8):
 ])
 def test_unavailable_or_unknown_exchange_raises(monkeypatch, exchange, message):
     monkeypatch.setattr(expert_parallel, "current_platform", lambda: "cpu")
-    mesh = AbstractMesh((1, 1, 8, 1), AXES)
+    mesh = AbstractMesh((1, 1, 8, 1, 1), AXES)
     with pytest.raises(ValueError, match=message):
         expert_parallel_moe(*_layer_args(), mesh=mesh, num_selected=2, exchange=exchange)

@@ -30,7 +30,8 @@ NormKind = Literal["layer", "rms"]
 # tfx.ops.positional.rope.LAYOUTS.
 RopeLayout = Literal["half", "interleaved"]
 # tfx.ops.attention.IMPLEMENTATIONS.
-AttentionImplementation = Literal["reference", "blocked", "cudnn", "pallas_gpu", "splash"]
+AttentionImplementation = Literal["reference", "blocked", "cudnn", "pallas_gpu", "splash",
+                                  "context_parallel"]
 # tfx.ops.moe.POLICIES and tfx.ops.moe.IMPLEMENTATIONS.
 MoePolicy = Literal["topk", "gshard", "deepseek"]
 MoeDispatch = Literal["sorted", "onehot", "ragged", "megablox"]

@@ -14,6 +14,7 @@ from tfx.nn.dropout import make_dropout
 from tfx.nn.embeddings import LearnedPositions, SinusoidalPositions, TokenEmbedding
 from tfx.nn.norms import make_norm
 from tfx.nn.relative_bias import RelativePositionBias
+from tfx.ops.context_parallel import split_sequence
 from tfx.ops.kv_cache import CacheStep, LayerKV
 from tfx.ops.sparse import SlidingWindow, SparsitySpec, parse_spec
 
@@ -158,6 +159,7 @@ class Stack(nnx.Module):
                              "Transformer-XL memory, which hold no sparse pattern: call it on "
                              "whole sequences (generation needs a dense or sliding-window model)")
         sparsity, is_causal = self._visibility(cached=cache is not None)
+        x = split_sequence(x)  # under a mesh with a "sequence" axis: context parallelism
         key_positions = positions
         if cache_step is not None:
             positions, key_positions = cache_step.query_positions, cache_step.key_positions

@@ -24,6 +24,7 @@ from tfx.ops.backends import (
 )
 from tfx.ops.block_plan import block_plan
 from tfx.ops.blocked_attention import ScoreInputs, blocked_attention
+from tfx.ops.context_parallel import SEQUENCE_AXIS, context_parallel_attention
 from tfx.ops.gpu_attention import cudnn_attention, pallas_gpu_attention
 from tfx.ops.masks import combine_masks, segment_mask
 from tfx.ops.sparse import Causal, SparsitySpec
@@ -37,7 +38,7 @@ __all__ = [
     "static_spec",
 ]
 
-IMPLEMENTATIONS = ("reference", "blocked", "cudnn", "pallas_gpu", "splash")
+IMPLEMENTATIONS = ("reference", "blocked", "cudnn", "pallas_gpu", "splash", "context_parallel")
 # Tile sizes of the blocked kernel (measured with benchmarks/attention.py).
 BLOCK_Q = 256
 BLOCK_K = 512
@@ -94,8 +95,11 @@ def dot_product_attention(
         "blocked" (online softmax over tiles, O(q_len + kv_len) memory, skips tiles that the
         causal mask, `sparsity` or key padding leave empty, and tiles that `mask` or segment ids
         leave empty for the whole batch), "cudnn" (GPU), "pallas_gpu" (GPU), "splash" (TPU), or
+        "context_parallel" (self-attention with the sequence split over the "sequence" axis
+        of the mesh the call is traced under: `tfx.ops.context_parallel`), or
         None: the fastest one that can run this call on `jax.default_backend()`, as tabled in
-        `tfx.ops.backends` (on CPU: "blocked" when q_len·kv_len >= BLOCKED_MIN_SCORES, else
+        `tfx.ops.backends` (context_parallel under a mesh whose "sequence" axis has 2 devices
+        or more; on CPU: "blocked" when q_len·kv_len >= BLOCKED_MIN_SCORES, else
         "reference"). Forcing one that cannot run raises a ValueError naming what it lacks.
         "pallas_gpu" and "splash" forced on CPU run in Pallas interpret mode (slow; for tests).
       block_sizes: (block_q, block_k) tile sizes of the blocked path; default
@@ -131,6 +135,7 @@ def dot_product_attention(
         has_bias=bias is not None, has_mask=mask is not None,
         key_mask=mask is not None and _masks_keys_only(mask.shape),
         has_segments=query_segment_ids is not None, cross_segments=cross_segments, spec=spec,
+        sequence_devices=_sequence_devices(mesh := jax.sharding.get_abstract_mesh()),
     )
     platform = current_platform()
     implementation = _resolve_implementation(implementation, platform, case)
@@ -150,6 +155,9 @@ def dot_product_attention(
         if mask is not None:  # a padding mask: padded keys join no query's segment
             segments = key_mask_as_segments(mask, segments, query.shape[0], q_len, kv_len)
         return splash_attention(query, key, value, segments, spec, scale, interpret=interpret)
+    if implementation == "context_parallel":
+        return _context_parallel(query, key, value, mask, (query_segment_ids, key_segment_ids),
+                                 spec, scale, mesh, block_sizes)
     if implementation == "blocked":
         segments = (query_segment_ids, key_segment_ids)
         return _blocked(query, key, value, bias, mask, segments, spec, scale, block_q, block_k)
@@ -213,6 +221,21 @@ def _check_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads})")
     if head_dim < 1:
         raise ValueError(f"head_dim (query and key dim 3) must be >= 1, got {head_dim}")
+
+
+def _context_parallel(query, key, value, mask, segments, spec, scale, mesh, block_sizes):
+    """`context_parallel_attention`, a padding mask passed as key segment ids no query has."""
+    if mask is not None:
+        segments = key_mask_as_segments(mask, None if segments[0] is None else segments,
+                                        query.shape[0], query.shape[1], key.shape[1])
+    return context_parallel_attention(query, key, value, mesh=mesh, spec=spec, scale=scale,
+                                      query_segment_ids=segments[0],
+                                      key_segment_ids=segments[1], block_sizes=block_sizes)
+
+
+def _sequence_devices(mesh: jax.sharding.AbstractMesh) -> int:
+    """The size of the mesh's sequence axis (1 without a mesh or without that axis)."""
+    return 1 if mesh.empty else dict(mesh.shape).get(SEQUENCE_AXIS, 1)
 
 
 def _nothing_to_attend(query_shape: tuple[int, ...], kv_len: int, value_dim: int) -> bool:

@@ -34,6 +34,8 @@ from tfx.ops.gpu_attention import cudnn_mask
 from tfx.ops.sparse import Causal, SparsitySpec
 
 __all__ = [
+    "ALL_GATHER_MAX_BYTES",
+    "ATTENTION_FIRST",
     "ATTENTION_NEEDS",
     "ATTENTION_PREFERENCE",
     "BLOCKED_MIN_SCORES",
@@ -44,6 +46,7 @@ __all__ = [
     "default_compute_dtype",
     "platform_name",
     "select_attention",
+    "select_context_exchange",
     "select_expert_all_to_all",
     "select_grouped_matmul",
     "supports_ragged_all_to_all",
@@ -71,7 +74,9 @@ class AttentionCase:
     None). `key_mask` says that the boolean mask masks keys only (it broadcasts from
     [batch, 1, 1, kv_len]: padding), which kernels with segment ids can take as segments.
     `cross_segments` says that key segment ids were given apart from the query's, so they may
-    differ (the Pallas GPU kernel takes one array for both).
+    differ (the Pallas GPU kernel takes one array for both). `sequence_devices` is the size of
+    the "sequence" axis of the mesh the call is traced under (1: none), over which
+    "context_parallel" splits the sequence.
     """
 
     dtype: np.dtype
@@ -87,6 +92,7 @@ class AttentionCase:
     has_segments: bool = False
     cross_segments: bool = False
     spec: SparsitySpec | None = None
+    sequence_devices: int = 1
 
 
 # Each need returns None when it holds, else what is missing, phrased to follow "needs".
@@ -174,6 +180,19 @@ def _splash_lengths(platform, case):
                 f"(got {case.q_len} and {case.kv_len})")
 
 
+def _sequence_split(platform, case):
+    if case.sequence_devices < 2:
+        return "a mesh with a \"sequence\" axis of size >= 2 (inside jax.set_mesh)"
+
+
+def _context_lengths(platform, case):
+    # Self-attention whose length cuts into 2 chunks per device (causal load balance).
+    chunks = case.sequence_devices * (1 if case.spec is None else 2)
+    if case.q_len != case.kv_len or case.q_len % chunks:
+        return (f"q_len == kv_len, divisible by {chunks} chunks "
+                f"(got {case.q_len} and {case.kv_len})")
+
+
 # On "cpu" the Pallas kernels run in interpret mode: slow, but the same code path, for tests.
 ATTENTION_NEEDS: dict[str, tuple[Need, ...]] = {
     "reference": (),
@@ -188,7 +207,12 @@ ATTENTION_NEEDS: dict[str, tuple[Need, ...]] = {
                    _causal_or_none, _self_attention_lengths, _x64_disabled),
     "splash": (_on("tpu", "cpu"), _dtype_in("float16", "bfloat16", "float32"),
                _without("has_bias", "bias"), _key_mask_only, _splash_lengths),
+    "context_parallel": (_sequence_split, _without("has_bias", "bias"), _key_mask_only,
+                         _context_lengths),
 }
+# Tried before the platform's kernels: under a mesh that splits the sequence, attention that
+# can run context-parallel does (tfx.ops.context_parallel); its tiles use the blocked kernel.
+ATTENTION_FIRST = ("context_parallel",)
 
 # Kernels tried in order; tfx's own kernels (see `_portable`) end every list.
 ATTENTION_PREFERENCE: dict[str, tuple[str, ...]] = {
@@ -227,9 +251,10 @@ def select_attention(platform: str, case: AttentionCase) -> str:
         portable kernels).
       case: the static facts of the call.
     Returns:
-      one of "cudnn", "pallas_gpu", "splash", "blocked", "reference".
+      one of "context_parallel", "cudnn", "pallas_gpu", "splash", "blocked", "reference".
     """
-    for implementation in ATTENTION_PREFERENCE.get(platform_name(platform), ()):
+    for implementation in (*ATTENTION_FIRST, *ATTENTION_PREFERENCE.get(platform_name(platform),
+                                                                         ())):
         if not attention_unavailable(implementation, platform, case):
             return implementation
     return _portable(case)
@@ -249,6 +274,18 @@ def default_compute_dtype(platform: str) -> str | None:
     (with float32 parameters, softmax statistics and router logits), None elsewhere (compute
     in the parameters' float32)."""
     return _COMPUTE_DTYPE.get(platform_name(platform))
+
+
+# Context parallelism gathers every key and value at once while they take at most this much
+# per sequence: one collective instead of n - 1 ring hops, for short sequences and small K/V.
+ALL_GATHER_MAX_BYTES = 2**24
+
+
+def select_context_exchange(devices: int, kv_bytes: int) -> str:
+    """The exchange of `tfx.ops.context_parallel_attention`: "all_gather" for a ring of 2
+    devices (one hop either way) or when the whole sequence's keys and values take at most
+    ALL_GATHER_MAX_BYTES per batch row (`kv_bytes`), else "ring" (O(T / n) memory)."""
+    return "all_gather" if devices <= 2 or kv_bytes <= ALL_GATHER_MAX_BYTES else "ring"
 
 
 _GROUPED_MATMUL = {"gpu": "ragged", "tpu": "megablox"}

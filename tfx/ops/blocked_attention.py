@@ -25,12 +25,16 @@ import numpy as np
 
 from tfx.ops.block_plan import BlockPlan
 
-__all__ = ["ScoreInputs", "blocked_attention"]
+__all__ = ["NO_KEYS_LOG_SUM_EXP", "ScoreInputs", "blocked_attention", "blocked_attention_backward",
+           "blocked_attention_forward"]
 
 # Invisible pairs score -inf, while the running max starts at the most negative finite float:
 # exp(score - max) is then exactly 0 for every invisible pair, with no second mask and no
 # inf - inf, and a row that sees no key keeps a zero sum.
 _ROW_MAX_INIT = float(np.finfo(np.float32).min)
+# The log-sum-exp of a row that sees no key: the most negative finite float32, so that merging
+# partial results weighs it exp(NO_KEYS - lse) = 0 and the backward's exp(-inf - lse) stays 0.
+NO_KEYS_LOG_SUM_EXP = _ROW_MAX_INIT
 
 
 @jax.tree_util.register_dataclass
@@ -64,13 +68,46 @@ def blocked_attention(query, key, value, inputs: ScoreInputs, *, plan: BlockPlan
     return _Kernel(plan, block_q, block_k).attend(query, key, value, inputs)
 
 
+def blocked_attention_forward(query, key, value, inputs: ScoreInputs, *, plan: BlockPlan,
+                              block_q: int, block_k: int):
+    """`blocked_attention` with its softmax statistics, to merge with other key sets' results.
+
+    Args: as `blocked_attention`.
+    Returns:
+      (out float32 [B, K, G, T, Dv], log_sum_exp float32 [B, K, G, T]); a row with no visible
+      key has out 0 and log_sum_exp NO_KEYS_LOG_SUM_EXP. Not differentiable: pair it with
+      `blocked_attention_backward`.
+    """
+    out, residuals = _Kernel(plan, block_q, block_k).forward(query, key, value, inputs)
+    return out, residuals[-1]
+
+
+def blocked_attention_backward(query, key, value, inputs: ScoreInputs, out, log_sum_exp, d_out,
+                               *, plan: BlockPlan, block_q: int, block_k: int):
+    """Gradients of one key set's share of an attention whose rows may span other key sets.
+
+    Args:
+      query, key, value, inputs, plan, block_q, block_k: as `blocked_attention_forward`.
+      out: float32 [B, K, G, T, Dv], the output of the *whole* attention (every key set).
+      log_sum_exp: float32 [B, K, G, T], its softmax normaliser over every key set.
+      d_out: [B, K, G, T, Dv], the gradient of `out`.
+    Returns:
+      float32 (d_query [B, K, G, T, D], d_key [B, K, S, D], d_value [B, K, S, Dv]) through
+      these keys: summed over the key sets they give the full gradients (ring attention).
+    """
+    kernel = _Kernel(plan, block_q, block_k)
+    d_query, d_key, d_value, _ = kernel.gradients(
+        (query, key, value, inputs, out, log_sum_exp), d_out)
+    return d_query, d_key, d_value
+
+
 class _Kernel:
     """The static configuration of one blocked attention, and its forward and backward sweeps."""
 
     def __init__(self, plan: BlockPlan, block_q: int, block_k: int):
         self.plan, self.block_q, self.block_k = plan, block_q, block_k
         self.attend = jax.custom_vjp(self._attend)
-        self.attend.defvjp(self._forward, self._backward)
+        self.attend.defvjp(self.forward, self._backward)
 
     # Tiles ------------------------------------------------------------------------------------
 
@@ -150,9 +187,9 @@ class _Kernel:
     # Forward ----------------------------------------------------------------------------------
 
     def _attend(self, query, key, value, inputs):
-        return self._forward(query, key, value, inputs)[0]
+        return self.forward(query, key, value, inputs)[0]
 
-    def _forward(self, query, key, value, inputs):
+    def forward(self, query, key, value, inputs):
         batch, heads, group, q_len, _ = query.shape
         rows = (batch, heads, group, self.block_q)
 
@@ -179,7 +216,7 @@ class _Kernel:
             row_max, row_sum, acc = self._each_tile(inputs, qb, compute, init)
             has_keys = row_sum > 0.0
             safe_sum = jnp.where(has_keys, row_sum, 1.0)
-            log_sum_exp = jnp.where(has_keys, row_max + jnp.log(safe_sum), 0.0)
+            log_sum_exp = jnp.where(has_keys, row_max + jnp.log(safe_sum), NO_KEYS_LOG_SUM_EXP)
             return acc / safe_sum[..., None], log_sum_exp
 
         out, log_sum_exp = jax.lax.map(query_block, _block_indices(q_len // self.block_q))
@@ -189,6 +226,15 @@ class _Kernel:
     # Backward ---------------------------------------------------------------------------------
 
     def _backward(self, residuals, d_out):
+        query, key, value, inputs = residuals[:4]
+        d_query, d_key, d_value, d_bias = self.gradients(residuals, d_out)
+        bias = inputs.bias
+        d_inputs = ScoreInputs(bias=None if bias is None else d_bias.astype(bias.dtype))
+        return (d_query.astype(query.dtype), d_key.astype(key.dtype),
+                d_value.astype(value.dtype), d_inputs)
+
+    def gradients(self, residuals, d_out):
+        """float32 (d_query, d_key, d_value, d_bias or None) from the forward's residuals."""
         query, key, value, inputs, out, log_sum_exp = residuals
         d_out = d_out.astype(jnp.float32)
         # delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij, the row term of the softmax Jacobian.
@@ -231,9 +277,7 @@ class _Kernel:
         init = (zeros(key), zeros(value), None if bias is None else zeros(bias))
         (d_key, d_value, d_bias), d_query = jax.lax.scan(
             query_block, init, _block_indices(query.shape[3] // self.block_q))
-        d_inputs = ScoreInputs(bias=None if bias is None else d_bias.astype(bias.dtype))
-        return (_unblock(d_query).astype(query.dtype), d_key.astype(key.dtype),
-                d_value.astype(value.dtype), d_inputs)
+        return _unblock(d_query), d_key, d_value, d_bias
 
     def _add_bias_tile(self, d_bias, d_scores, query_block, key_block):
         """Add a tile's score gradient into a bias gradient that may broadcast along any dim."""

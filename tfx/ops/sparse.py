@@ -36,6 +36,7 @@ __all__ = [
     "GlobalTokens",
     "Intersection",
     "LeadingKeys",
+    "Offset",
     "RandomBlocks",
     "SlidingWindow",
     "SparsitySpec",
@@ -149,6 +150,24 @@ class LeadingKeys(SparsitySpec):
         shifted = np.maximum(k_pos - self.num_leading, 0)  # leading columns are answered below
         inner = self.inner.allows(q_pos, shifted, kv_len - self.num_leading)
         return (k_pos < self.num_leading) | inner
+
+
+@dataclasses.dataclass(frozen=True)
+class Offset(SparsitySpec):
+    """`inner` seen from a tile of a longer sequence: query row r sits at position
+    `query_start + r` and key column j at `key_start + j` of the sequence `inner` is written
+    for, whose length is `total_len`. Context-parallel attention
+    (`tfx.ops.context_parallel`) plans each pair of sequence chunks with it, so that the
+    blocked kernel skips the tiles of a chunk pair that `inner` leaves empty."""
+
+    inner: SparsitySpec
+    query_start: int
+    key_start: int
+    total_len: int
+
+    def allows(self, q_pos, k_pos, kv_len):
+        return self.inner.allows(q_pos + self.query_start, k_pos + self.key_start,
+                                 self.total_len)
 
 
 @dataclasses.dataclass(frozen=True)

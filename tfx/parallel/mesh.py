@@ -5,10 +5,13 @@
             (ZeRO-3 / FSDP), gathered layer by layer when used
     expert  expert parallelism for mixture-of-experts weights; the dense layers treat it as
             more data parallelism (the batch is split over it too, as in GShard)
+    sequence context parallelism: every layer's activations split along the sequence, and
+            self-attention run as ring / all-gather attention (tfx.ops.context_parallel)
     tensor  Megatron-style tensor parallelism inside each layer
 
 The order is outermost to innermost: `tensor` varies fastest over the device list, so its
-devices are neighbours (on one host, on the fastest links), and `data` slowest, so that its
+devices are neighbours (on one host, on the fastest links), then `sequence`, whose ring passes
+keys and values between neighbours at every layer, and `data` slowest, so that its
 all-reduce — the only collective of pure data parallelism — is the one that crosses hosts.
 """
 
@@ -22,13 +25,13 @@ from jax.sharding import AxisType, Mesh
 
 __all__ = ["AXES", "make_mesh", "mesh_from_config"]
 
-AXES = ("data", "fsdp", "expert", "tensor")
+AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, expert: int = 1, *,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with axes ("data", "fsdp", "expert", "tensor") over `devices` (default: all
-    devices of all processes, `jax.devices()`).
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, expert: int = 1,
+              sequence: int = 1, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh with axes ("data", "fsdp", "expert", "sequence", "tensor") over `devices`
+    (default: all devices of all processes, `jax.devices()`).
 
     One axis may be -1: it takes the devices the others leave over. The sizes must multiply
     to the number of devices exactly (a ValueError names the axes otherwise). The axes are
@@ -36,7 +39,8 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, expert: int = 1, *
     (GSPMD) propagates them through the computation, so model code needs no annotations.
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = {"data": data, "fsdp": fsdp, "expert": expert, "tensor": tensor}
+    sizes = {"data": data, "fsdp": fsdp, "expert": expert, "sequence": sequence,
+             "tensor": tensor}
     for name, size in sizes.items():
         if isinstance(size, bool) or not isinstance(size, int) or not (size >= 1 or size == -1):
             raise ValueError(f"mesh axis {name} must be an int >= 1 or -1, got {size!r}")
@@ -59,7 +63,7 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, expert: int = 1, *
 
 
 def mesh_from_config(config, *, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """`make_mesh` from a config with fields data, fsdp, tensor and optionally expert
-    (tfx.train.config.MeshConfig)."""
+    """`make_mesh` from a config with fields data, fsdp, tensor and optionally expert and
+    sequence (tfx.train.config.MeshConfig)."""
     return make_mesh(config.data, config.fsdp, config.tensor, getattr(config, "expert", 1),
-                     devices=devices)
+                     getattr(config, "sequence", 1), devices=devices)

@@ -185,13 +185,14 @@ class MeshConfig:
     """Tensor-parallel size (Megatron-style splits of attention and MLP)."""
     expert: int = 1
     """Expert-parallel size: MoE experts split over it."""
+    sequence: int = 1
+    """Context-parallel size: every sequence split over it, attention run as ring attention."""
 
     def __post_init__(self):
         if self.data != -1:
             _at_least("data", self.data, 1)
-        _at_least("fsdp", self.fsdp, 1)
-        _at_least("tensor", self.tensor, 1)
-        _at_least("expert", self.expert, 1)
+        for name in ("fsdp", "tensor", "expert", "sequence"):
+            _at_least(name, getattr(self, name), 1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -229,12 +230,33 @@ class Experiment:
         if self.model.position == "learned" and self.train.seq_len > self.model.max_len:
             raise ValueError(f"train.seq_len ({self.train.seq_len}) exceeds the learned position "
                              f"table (model.max_len = {self.model.max_len})")
+        if self.mesh.sequence > 1:
+            _check_context_parallel(self)
 
     def to_dict(self) -> dict:
         """JSON-able form; dataclasses carry their class under "__type__" so that
         `experiment_from_dict` rebuilds the same objects, and "version" says the layout
         (tfx.train.migration)."""
         return {"version": CONFIG_VERSION, **_encode(self)}
+
+
+# Positional encodings that add a score bias, which context-parallel attention does not take.
+_BIASED_POSITIONS = ("alibi", "t5", "xl")
+
+
+def _check_context_parallel(experiment: Experiment) -> None:
+    """Refuse, before any work, a run that mesh.sequence > 1 could not split: a model whose
+    attention adds a position bias or is not self-attention alone, or a sequence length that
+    does not cut into 2 chunks per device (the causal load balance)."""
+    devices, model = experiment.mesh.sequence, experiment.model
+    if experiment.objective == "seq2seq" or model.position in _BIASED_POSITIONS:
+        raise ValueError(f"mesh.sequence={devices} (context parallelism) needs self-attention "
+                         f"without a position bias: objective {experiment.objective!r} with "
+                         f"model.position={model.position!r} cannot use it")
+    chunks = 2 * devices
+    if experiment.train.seq_len % chunks:
+        raise ValueError(f"mesh.sequence={devices} needs train.seq_len divisible by {chunks} "
+                         f"(2 chunks per device), got {experiment.train.seq_len}")
 
 
 # Loop settings that may change between a run and its resumption: they change no step that the

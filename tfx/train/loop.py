@@ -137,7 +137,7 @@ class Trainer:
         self.state_sharding = self.batch_sharding = mesh = None
         if sharded and jax.device_count() > 1:  # one device: plain jit, no mesh
             mesh = parallel.mesh_from_config(experiment.mesh)
-            rows = t.grad_accum * mesh.size // mesh.shape["tensor"]
+            rows = t.grad_accum * mesh.size // (mesh.shape["tensor"] * mesh.shape["sequence"])
             if t.batch_size % rows:
                 raise ValueError(f"train.batch_size ({t.batch_size}) must be a multiple of "
                                  f"grad_accum x data x fsdp x expert = {rows}")
