@@ -28,7 +28,14 @@ import argparse
 
 import jax
 import jax.numpy as jnp
-from timing import markdown_table, median_seconds, provenance, publish
+from timing import (
+    add_output_arguments,
+    markdown_path,
+    markdown_table,
+    median_seconds,
+    provenance,
+    publish,
+)
 
 from tfx.ops import dot_product_attention
 from tfx.ops.context_parallel import context_parallel_attention
@@ -106,16 +113,13 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="N = 4096 only, 2 repeats")
-    parser.add_argument("--json", help="write all results to this path")
-    parser.add_argument("--markdown",
-                        help="write the report to this path (default with --json: its .md)")
+    add_output_arguments(parser)
     args = parser.parse_args()
     if args.quick:
         args.lengths, args.repeats = [4096], 2
     rows = [row for n in args.lengths for row in measure(n, args.repeats)]
     results = {**provenance("context_parallel.py"), "repeats": args.repeats, "rows": rows}
-    markdown = args.markdown or (args.json and args.json.removesuffix(".json") + ".md")
-    publish(render(results), results, json_path=args.json, markdown_path=markdown)
+    publish(render(results), results, json_path=args.json, markdown_path=markdown_path(args))
 
 
 if __name__ == "__main__":

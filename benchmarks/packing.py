@@ -31,7 +31,7 @@ import time
 import jax
 import numpy as np
 from flax import nnx
-from timing import markdown_table, provenance, publish
+from timing import add_output_arguments, markdown_path, markdown_table, provenance, publish
 
 from tfx.models import create
 from tfx.train.data import ByteTokenizer, load_corpus
@@ -173,17 +173,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="1 warmup step, 2 repeats")
-    parser.add_argument("--json", help="write all results to this path")
-    parser.add_argument("--markdown",
-                        help="write the report to this path (default with --json: its .md)")
+    add_output_arguments(parser)
     args = parser.parse_args()
     if args.quick:
         args.warmup, args.repeats = 1, 2
     t = get_experiment().train
     results = {**provenance("packing.py"), "batch": t.batch_size, "seq_len": t.seq_len,
                "warmup": args.warmup, "repeats": args.repeats, "layouts": measure(args)}
-    markdown = args.markdown or (args.json and args.json.removesuffix(".json") + ".md")
-    publish(render(results), results, json_path=args.json, markdown_path=markdown)
+    publish(render(results), results, json_path=args.json, markdown_path=markdown_path(args))
 
 
 if __name__ == "__main__":

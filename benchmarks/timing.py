@@ -70,6 +70,18 @@ def write_json(path: str | None, payload: dict) -> None:
         print(f"\nwrote {path}")
 
 
+def add_output_arguments(parser) -> None:
+    """--json PATH and --markdown PATH (default with --json: the same path ending in .md)."""
+    parser.add_argument("--json", help="write all results to this path")
+    parser.add_argument("--markdown",
+                        help="write the report to this path (default with --json: its .md)")
+
+
+def markdown_path(args) -> str | None:
+    """Where `add_output_arguments`' report goes: --markdown, else --json's path as .md."""
+    return args.markdown or (args.json and args.json.removesuffix(".json") + ".md")
+
+
 def publish(report: str, results: dict, *, json_path: str | None,
             markdown_path: str | None) -> None:
     """Print the markdown report and write the results JSON and the report where asked."""

@@ -24,9 +24,9 @@ from tfx.ops.sparse import Causal, SlidingWindow
 from tfx.parallel import make_mesh
 
 BATCH, SEQ, HEAD_DIM = 2, 64, 8
-# Two documents per row, the second starting at a different place in each row.
-SEGMENTS = np.stack([np.repeat([1, 2], [24, 40]), np.repeat([1, 2, 3], [9, 31, 24])])
-# Row 1 pads its last 10 keys; with segments, the padded keys are all of segment 3's but one.
+# Packed documents: two in row 0, three in row 1, starting at different places.
+SEGMENTS = np.stack([np.repeat([1, 2], [24, 40]), np.repeat([1, 2, 3], [9, 45, 10])])
+# Row 1 pads its last 10 keys: all of segment 3's, whose queries then see no key at all.
 KEY_MASK = np.arange(SEQ)[None, :] < np.array([[SEQ], [SEQ - 10]])
 
 # name -> (mesh axes, spec, heads (query, key/value), segments, key mask, exchange, dtype)

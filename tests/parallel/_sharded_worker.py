@@ -30,6 +30,7 @@ CASES = {
     "moe_single": (None, 1, MOE_MODEL),
     "moe_data2_expert4": (dict(data=2, expert=4), 1, MOE_MODEL),
     "data2_sequence4": (dict(data=2, sequence=4), 1, MODEL),
+    "fsdp2_sequence2_tensor2": (dict(data=1, fsdp=2, sequence=2, tensor=2), 1, MODEL),
 }
 
 if __name__ == "__main__":

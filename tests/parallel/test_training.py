@@ -19,10 +19,10 @@ from tfx.parallel import AXES, state_specs
 
 WORKER = pathlib.Path(__file__).with_name("_sharded_worker.py")
 # The worker's sharded runs and their mesh sizes (data, fsdp, expert, sequence, tensor);
-# fsdp8_accum2 accumulates 2 micro-batches per step; data2_sequence4 is context-parallel.
+# fsdp8_accum2 accumulates 2 micro-batches per step; the *_sequence* runs are context-parallel.
 MESHES = {"data8": (8, 1, 1, 1, 1), "fsdp8": (1, 8, 1, 1, 1),
           "data2_fsdp2_tensor2": (2, 2, 1, 1, 2), "fsdp8_accum2": (1, 8, 1, 1, 1),
-          "data2_sequence4": (2, 1, 1, 4, 1)}
+          "data2_sequence4": (2, 1, 1, 4, 1), "fsdp2_sequence2_tensor2": (1, 2, 1, 2, 2)}
 # A model with experts on one device and expert-parallel over data=2 x expert=4.
 MOE_RUNS = ("moe_single", "moe_data2_expert4")
 
