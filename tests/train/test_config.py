@@ -8,7 +8,14 @@ import json
 import pytest
 
 from tfx.ops.positional import YaRNScaling
-from tfx.train.config import DataConfig, Experiment, TrainConfig, experiment_from_dict, run_identity
+from tfx.train.config import (
+    DataConfig,
+    Experiment,
+    MeshConfig,
+    TrainConfig,
+    experiment_from_dict,
+    run_identity,
+)
 from tfx.train.experiments import EXPERIMENTS, get_experiment
 
 
@@ -73,3 +80,19 @@ def test_experiment_checks_model_family_and_task():
     with pytest.raises(ValueError, match="unknown experiment 'nope'"):
         get_experiment("nope")
     assert isinstance(get_experiment(), Experiment)
+
+
+def test_context_parallel_runs_are_refused_before_any_work_when_they_cannot_split():
+    e = get_experiment("gpt_char")
+    split = dataclasses.replace(e, mesh=MeshConfig(data=2, sequence=4))
+    assert split.mesh.sequence == 4  # causal self-attention, RoPE, 128 tokens = 8 chunks
+    with pytest.raises(ValueError, match=r"mesh\.sequence=4 \(context parallelism\) needs "
+                                         r"self-attention without a position bias.*'alibi'"):
+        dataclasses.replace(split, model=e.model.replace(position="alibi"))
+    with pytest.raises(ValueError, match=r"objective 'seq2seq'"):
+        dataclasses.replace(get_experiment("seq2seq_reverse"), mesh=MeshConfig(sequence=2))
+    with pytest.raises(ValueError, match=r"train\.seq_len divisible by 8 \(2 chunks per "
+                                         r"device\), got 100"):
+        dataclasses.replace(split, train=dataclasses.replace(e.train, seq_len=100))
+    with pytest.raises(ValueError, match=r"sequence must be >= 1, got 0"):
+        MeshConfig(sequence=0)
