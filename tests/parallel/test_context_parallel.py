@@ -13,10 +13,9 @@ import sys
 import chex
 import numpy as np
 import pytest
+from parallel._context_parallel_cases import CASES
 
 WORKER = pathlib.Path(__file__).with_name("_context_parallel_worker.py")
-sys.path.insert(0, str(WORKER.parent))
-from _context_parallel_worker import CASES  # noqa: E402
 
 # float32: the ring sums the softmax in another order than the reference (per chunk, merged by
 # log-sum-exp); bfloat16 inputs and outputs round at 2^-8 relative.
