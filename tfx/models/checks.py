@@ -142,6 +142,18 @@ def int_array(name: str, x, reference_name: str | None = None, reference=None):
     return x
 
 
+def segment_ids(name: str, x, ids_name: str, ids, leading: int = 0):
+    """Packed sequences' segment ids: None, or an int array of the ids' shape; refused beside
+    `leading` vectors, which sit before the whole row (no segment of their own)."""
+    if x is None:
+        return None
+    x = int_array(name, x, ids_name, ids)
+    if leading:
+        raise ValueError(f"{name} (packed sequences) cannot be used with leading vectors, "
+                         "which sit before the whole row")
+    return x
+
+
 def same_shape(name: str, x, reference_name: str, reference):
     """Require the array (or nested list) `x` to have `reference`'s shape (no silent
     broadcast); returns it as an array."""

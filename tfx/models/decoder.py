@@ -95,13 +95,10 @@ class Decoder(nnx.Module):
         skip = self.embeddings.num_leading
         position_ids = checks.positions("position_ids", position_ids, "input_ids", input_ids,
                                         self.config, skip)
-        if segment_ids is not None:
-            segment_ids = checks.int_array("segment_ids", segment_ids, "input_ids", input_ids)
+        segment_ids = checks.segment_ids("segment_ids", segment_ids, "input_ids", input_ids,
+                                         skip)
         positions = jnp.arange(input_ids.shape[1]) if position_ids is None else position_ids
         if skip:
-            if segment_ids is not None:
-                raise ValueError("segment_ids (packed sequences) cannot be used with leading "
-                                 "vectors, which sit before the whole row")
             positions, attention_mask, _ = leading_inputs(
                 skip, self.config, input_ids, positions, attention_mask)
         mask = None if attention_mask is None else padding_mask(attention_mask.astype(bool))

@@ -174,12 +174,8 @@ class EncoderDecoder(nnx.Module):
         learned table) or 0 .. seq - 1, and the segment ids (None: one sequence per row)."""
         position_ids = checks.positions(f"{side}position_ids", position_ids,
                                         f"{side}input_ids", ids, self.config, leading)
-        if segment_ids is not None:
-            if leading:
-                raise ValueError("segment_ids (packed sequences) cannot be used with leading "
-                                 "vectors, which sit before the whole row")
-            segment_ids = checks.int_array(f"{side}segment_ids", segment_ids,
-                                           f"{side}input_ids", ids)
+        segment_ids = checks.segment_ids(f"{side}segment_ids", segment_ids,
+                                         f"{side}input_ids", ids, leading)
         return (jnp.arange(ids.shape[1]) if position_ids is None else position_ids), segment_ids
 
     def _context_mask(self, attention_mask: jax.Array | None) -> jax.Array | None:

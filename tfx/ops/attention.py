@@ -23,7 +23,7 @@ from tfx.ops.backends import (
     select_attention,
 )
 from tfx.ops.block_plan import block_plan
-from tfx.ops.blocked_attention import ScoreInputs, blocked_attention
+from tfx.ops.blocked_attention import BLOCK_K, BLOCK_Q, ScoreInputs, blocked_attention
 from tfx.ops.context_parallel import SEQUENCE_AXIS, context_parallel_attention
 from tfx.ops.gpu_attention import cudnn_attention, pallas_gpu_attention
 from tfx.ops.masks import combine_masks, segment_mask
@@ -39,9 +39,6 @@ __all__ = [
 ]
 
 IMPLEMENTATIONS = ("reference", "blocked", "cudnn", "pallas_gpu", "splash", "context_parallel")
-# Tile sizes of the blocked kernel (measured with benchmarks/attention.py).
-BLOCK_Q = 256
-BLOCK_K = 512
 
 # Masked logits take the most negative finite float32 rather than -inf: a fully masked row then
 # stays finite (no inf - inf) and the explicit zeroing below turns it into zeros.
@@ -126,23 +123,28 @@ def dot_product_attention(
     _validate(query, key, value, bias, mask, is_causal, scale, sparsity)
     block_q, block_k = _block_sizes(block_sizes, query.shape[1], key.shape[1])
     _validate_segments(query_segment_ids, key_segment_ids, query.shape[:2], key.shape[:2])
-    _, q_len, num_heads, head_dim = query.shape
-    kv_len, num_kv_heads, value_dim = key.shape[1], key.shape[2], value.shape[3]
+    kv_len, value_dim = key.shape[1], value.shape[3]
     spec = static_spec(is_causal, sparsity)
-    case = AttentionCase(
-        dtype=query.dtype, q_len=q_len, kv_len=kv_len, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, value_dim=value_dim,
-        has_bias=bias is not None, has_mask=mask is not None,
-        key_mask=mask is not None and _masks_keys_only(mask.shape),
-        has_segments=query_segment_ids is not None, cross_segments=cross_segments, spec=spec,
-        sequence_devices=_sequence_devices(mesh := jax.sharding.get_abstract_mesh()),
-    )
+    mesh = jax.sharding.get_abstract_mesh()
+    case = _case(query, key, value, bias, mask, query_segment_ids is not None, cross_segments,
+                 spec, mesh)
     platform = current_platform()
     implementation = _resolve_implementation(implementation, platform, case)
     if scale is None:
-        scale = 1.0 / float(np.sqrt(head_dim))
+        scale = 1.0 / float(np.sqrt(query.shape[3]))
     if _nothing_to_attend(query.shape, kv_len, value_dim):
         return jnp.zeros((*query.shape[:3], value_dim), value.dtype)
+    segments = (query_segment_ids, key_segment_ids)
+    return _run_kernel(implementation, platform, query, key, value, bias, mask, segments, spec,
+                       scale, mesh, (block_q, block_k))
+
+
+def _run_kernel(implementation: str, platform: str, query, key, value, bias, mask, segments,
+                spec, scale: float, mesh, block_sizes: tuple[int, int]) -> jax.Array:
+    """Run the selected kernel on validated arguments; segments: (query ids, key ids), either
+    None."""
+    (batch, q_len), kv_len = query.shape[:2], key.shape[1]
+    query_segment_ids, key_segment_ids = segments
     # CPU runs the Pallas kernels only through the interpreter.
     interpret = platform == "cpu"
     if implementation == "cudnn":
@@ -150,17 +152,18 @@ def dot_product_attention(
     if implementation == "pallas_gpu":
         return pallas_gpu_attention(query, key, value, query_segment_ids, spec, scale,
                                     interpret=interpret)
-    if implementation == "splash":
-        segments = None if query_segment_ids is None else (query_segment_ids, key_segment_ids)
+    if implementation in ("splash", "context_parallel"):  # segment ids, no mask
+        ids = None if query_segment_ids is None else segments
         if mask is not None:  # a padding mask: padded keys join no query's segment
-            segments = key_mask_as_segments(mask, segments, query.shape[0], q_len, kv_len)
-        return splash_attention(query, key, value, segments, spec, scale, interpret=interpret)
-    if implementation == "context_parallel":
-        return _context_parallel(query, key, value, mask, (query_segment_ids, key_segment_ids),
-                                 spec, scale, mesh, block_sizes)
+            ids = key_mask_as_segments(mask, ids, batch, q_len, kv_len)
+        if implementation == "splash":
+            return splash_attention(query, key, value, ids, spec, scale, interpret=interpret)
+        query_ids, key_ids = ids or (None, None)
+        return context_parallel_attention(query, key, value, mesh=mesh, spec=spec, scale=scale,
+                                          query_segment_ids=query_ids, key_segment_ids=key_ids,
+                                          block_sizes=block_sizes)
     if implementation == "blocked":
-        segments = (query_segment_ids, key_segment_ids)
-        return _blocked(query, key, value, bias, mask, segments, spec, scale, block_q, block_k)
+        return _blocked(query, key, value, bias, mask, segments, spec, scale, *block_sizes)
     if query_segment_ids is not None:
         mask = combine_masks(mask, segment_mask(query_segment_ids, key_segment_ids))
     if spec is not None:
@@ -223,14 +226,16 @@ def _check_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         raise ValueError(f"head_dim (query and key dim 3) must be >= 1, got {head_dim}")
 
 
-def _context_parallel(query, key, value, mask, segments, spec, scale, mesh, block_sizes):
-    """`context_parallel_attention`, a padding mask passed as key segment ids no query has."""
-    if mask is not None:
-        segments = key_mask_as_segments(mask, None if segments[0] is None else segments,
-                                        query.shape[0], query.shape[1], key.shape[1])
-    return context_parallel_attention(query, key, value, mesh=mesh, spec=spec, scale=scale,
-                                      query_segment_ids=segments[0],
-                                      key_segment_ids=segments[1], block_sizes=block_sizes)
+def _case(query, key, value, bias, mask, has_segments: bool, cross_segments: bool, spec,
+          mesh: jax.sharding.AbstractMesh) -> AttentionCase:
+    """The static facts of a call that `tfx.ops.backends` selects its kernel by."""
+    return AttentionCase(
+        dtype=query.dtype, q_len=query.shape[1], kv_len=key.shape[1], num_heads=query.shape[2],
+        num_kv_heads=key.shape[2], head_dim=query.shape[3], value_dim=value.shape[3],
+        has_bias=bias is not None, has_mask=mask is not None,
+        key_mask=mask is not None and _masks_keys_only(mask.shape),
+        has_segments=has_segments, cross_segments=cross_segments, spec=spec,
+        sequence_devices=_sequence_devices(mesh))
 
 
 def _sequence_devices(mesh: jax.sharding.AbstractMesh) -> int:

@@ -25,9 +25,13 @@ import numpy as np
 
 from tfx.ops.block_plan import BlockPlan
 
-__all__ = ["NO_KEYS_LOG_SUM_EXP", "ScoreInputs", "blocked_attention", "blocked_attention_backward",
-           "blocked_attention_forward"]
+__all__ = ["BLOCK_K", "BLOCK_Q", "NO_KEYS_LOG_SUM_EXP", "ScoreInputs", "blocked_attention",
+           "blocked_attention_backward", "blocked_attention_forward"]
 
+# Default tile sizes (measured with benchmarks/attention.py): tfx.ops.attention's blocked path
+# and the chunk pairs of tfx.ops.context_parallel.
+BLOCK_Q = 256
+BLOCK_K = 512
 # Invisible pairs score -inf, while the running max starts at the most negative finite float:
 # exp(score - max) is then exactly 0 for every invisible pair, with no second mask and no
 # inf - inf, and a row that sees no key keeps a zero sum.

@@ -46,6 +46,8 @@ from jax.sharding import PartitionSpec
 from tfx.ops.backends import select_context_exchange
 from tfx.ops.block_plan import BlockPlan, block_plan
 from tfx.ops.blocked_attention import (
+    BLOCK_K,
+    BLOCK_Q,
     NO_KEYS_LOG_SUM_EXP,
     ScoreInputs,
     blocked_attention_backward,
@@ -62,7 +64,6 @@ HEAD_AXIS = "tensor"
 CONTEXT_EXCHANGES = ("ring", "all_gather")
 # Distinct tile plans a mask may need over all chunk pairs: each is compiled as one branch.
 MAX_PAIR_PLANS = 16
-BLOCK_Q, BLOCK_K = 256, 512  # as tfx.ops.attention's blocked path
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "spec", "scale", "axis", "exchange",
@@ -343,11 +344,13 @@ class _Ring:
 
     # Pairs of chunks ---------------------------------------------------------------------------
 
-    def _branch(self, query_chunk, key_chunk):
-        return jnp.asarray(self.table)[query_chunk, key_chunk]
-
-    def _inputs(self, q_seg, k_seg):
-        return ScoreInputs(query_segments=q_seg, key_segments=k_seg)
+    def _pairs(self, me, source):
+        """(a, b, branch) for each query chunk a of this device and key chunk b of `source`:
+        branch 0 skips the pair, i > 0 runs it with plan i - 1."""
+        table = jnp.asarray(self.table)
+        for a, query_chunk in enumerate(self.layout.chunk_ids(me)):
+            for b, key_chunk in enumerate(self.layout.chunk_ids(source)):
+                yield a, b, table[query_chunk, key_chunk]
 
     def _merge_pairs(self, q, q_seg, keys, me, source, out, lse):
         """Attend this device's query chunks to the key chunks of `source`, merging each
@@ -357,8 +360,8 @@ class _Ring:
 
         def merged(plan, operands):
             q_a, k_b, v_b, qs_a, ks_b, out_a, lse_a = operands
-            part, part_lse = blocked_attention_forward(q_a, k_b, v_b, self._inputs(qs_a, ks_b),
-                                                       plan=plan, **tiles)
+            part, part_lse = blocked_attention_forward(q_a, k_b, v_b, ScoreInputs(
+                query_segments=qs_a, key_segments=ks_b), plan=plan, **tiles)
             total = jnp.logaddexp(lse_a, part_lse)
             out_a = (out_a * jnp.exp(lse_a - total)[..., None]
                      + part * jnp.exp(part_lse - total)[..., None])
@@ -367,11 +370,9 @@ class _Ring:
         branches = [lambda operands: operands[-2:]] + [
             functools.partial(merged, plan) for plan in self.plans]
         out, lse = list(out), list(lse)
-        for a, query_chunk in enumerate(self.layout.chunk_ids(me)):
-            for b, key_chunk in enumerate(self.layout.chunk_ids(source)):
-                out[a], lse[a] = jax.lax.switch(
-                    self._branch(query_chunk, key_chunk), branches,
-                    (q[a], k[b], v[b], _at(q_seg, a), _at(k_seg, b), out[a], lse[a]))
+        for a, b, branch in self._pairs(me, source):
+            out[a], lse[a] = jax.lax.switch(branch, branches, (
+                q[a], k[b], v[b], _at(q_seg, a), _at(k_seg, b), out[a], lse[a]))
         return jnp.stack(out), jnp.stack(lse)
 
     def _pair_gradients(self, q, q_seg, keys, me, source, out, lse, d_out):
@@ -385,19 +386,18 @@ class _Ring:
 
         def gradients(plan, operands):
             q_a, k_b, v_b, qs_a, ks_b, out_a, lse_a, d_a = operands
-            return blocked_attention_backward(q_a, k_b, v_b, self._inputs(qs_a, ks_b), out_a,
-                                              lse_a, d_a, plan=plan, **tiles)
+            inputs = ScoreInputs(query_segments=qs_a, key_segments=ks_b)
+            return blocked_attention_backward(q_a, k_b, v_b, inputs, out_a, lse_a, d_a,
+                                              plan=plan, **tiles)
 
         branches = [skipped] + [functools.partial(gradients, plan) for plan in self.plans]
         d_q = [jnp.zeros(x.shape, jnp.float32) for x in q]
         d_k = [jnp.zeros(x.shape, jnp.float32) for x in k]
         d_v = [jnp.zeros(x.shape, jnp.float32) for x in v]
-        for a, query_chunk in enumerate(self.layout.chunk_ids(me)):
-            for b, key_chunk in enumerate(self.layout.chunk_ids(source)):
-                dq, dk, dv = jax.lax.switch(
-                    self._branch(query_chunk, key_chunk), branches,
-                    (q[a], k[b], v[b], _at(q_seg, a), _at(k_seg, b), out[a], lse[a], d_out[a]))
-                d_q[a], d_k[b], d_v[b] = d_q[a] + dq, d_k[b] + dk, d_v[b] + dv
+        for a, b, branch in self._pairs(me, source):
+            dq, dk, dv = jax.lax.switch(branch, branches, (
+                q[a], k[b], v[b], _at(q_seg, a), _at(k_seg, b), out[a], lse[a], d_out[a]))
+            d_q[a], d_k[b], d_v[b] = d_q[a] + dq, d_k[b] + dk, d_v[b] + dv
         return jnp.stack(d_q), jnp.stack(d_k), jnp.stack(d_v)
 
     # Forward and backward ----------------------------------------------------------------------

@@ -27,6 +27,7 @@ __all__ = [
     "HFTokenizer",
     "TokenStream",
     "Tokenizer",
+    "corpus_texts",
     "load_corpus",
     "load_tokenizer",
     "mlm_batch",
@@ -356,12 +357,16 @@ class TokenStream:
         return list(windows.reshape(num_batches, batch_size, width))
 
 
+def corpus_texts(data: str | os.PathLike | None) -> list[Text]:
+    """The texts of `data`: None or "stdlib" for `stdlib_texts()`, else a file or folder for
+    `text_files` (write "./stdlib" for a folder of that name)."""
+    return stdlib_texts() if data is None or data == "stdlib" else text_files(data)
+
+
 def load_corpus(data: str | os.PathLike | None, tokenizer: Tokenizer, *,
                 val_fraction: float = 0.05) -> tuple[TokenStream, TokenStream]:
-    """(train, val) token streams. `data`: None or "stdlib" for `stdlib_texts()`, else a file or
-    folder for `text_files` (write "./stdlib" for a folder of that name)."""
-    texts = stdlib_texts() if data is None or data == "stdlib" else text_files(data)
-    train, val = split_texts(texts, val_fraction)
+    """(train, val) token streams of `corpus_texts(data)`."""
+    train, val = split_texts(corpus_texts(data), val_fraction)
     return TokenStream.from_texts(train, tokenizer), TokenStream.from_texts(val, tokenizer)
 
 

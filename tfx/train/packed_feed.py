@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tfx.train.data import Tokenizer, split_texts, stdlib_texts, text_files
+from tfx.train.data import Tokenizer, corpus_texts, split_texts
 from tfx.train.feed import _VALIDATION_SEED_OFFSET, MaskedFeed, TaskFeed, TextFeed
 from tfx.train.packing import Packed, lay_out, pack
 
@@ -33,7 +33,7 @@ def load_documents(data: str | None, tokenizer: Tokenizer, *, val_fraction: floa
     """(train, val) documents, int 1-D token arrays: the texts of `tfx.train.data.load_corpus`
     (split the same way), each file a document, or each non-empty line when `data` is a
     single file."""
-    texts = stdlib_texts() if data is None or data == "stdlib" else text_files(data)
+    texts = corpus_texts(data)
     by_line = data not in (None, "stdlib") and pathlib.Path(data).is_file()
 
     def documents(part):
