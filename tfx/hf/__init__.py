@@ -25,10 +25,9 @@ __all__ = ["SUPPORTED", "load", "save"]
 
 
 def _families() -> dict:
-    from tfx.hf import bert, gpt2, llama, mixtral, t5
+    from tfx.hf.families import by_architecture
 
-    return {arch: family for family in (bert, gpt2, llama, mixtral, t5)
-            for arch in family.ARCHITECTURES}
+    return by_architecture()
 
 
 def __getattr__(name):  # SUPPORTED is computed lazily to keep imports light
