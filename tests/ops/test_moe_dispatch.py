@@ -14,7 +14,14 @@ from hypothesis import given, settings
 from kernel_cases import expert_weights
 
 from tfx.ops.activations import ACTIVATIONS
-from tfx.ops.moe import IMPLEMENTATIONS, experts_ffn, grouped_matmul, moe, route
+from tfx.ops.moe import (
+    IMPLEMENTATIONS,
+    expert_parallel_moe,
+    experts_ffn,
+    grouped_matmul,
+    moe,
+    route,
+)
 
 
 def _case(seed, tokens, experts, k, d_model=6, d_ff=10, gated=True, capacity_factor=None):
@@ -151,3 +158,30 @@ class TestBadInput:
         x, _, weights = _case(9, 8, 4, 2)
         with pytest.raises(ValueError, match="router_kernel"):
             moe(x, jnp.zeros((5, 4)), weights, num_selected=2)
+
+
+@pytest.mark.parametrize("options", [
+    dict(policy="deepseek", num_selected=2, num_groups=4, groups_per_token=2, routed_scale=2.5),
+    dict(policy="deepseek", num_selected=3, num_groups=2, groups_per_token=1, renormalize=False),
+    dict(policy="topk", num_selected=2, renormalize=False, routed_scale=0.5),
+])
+def test_routing_options_reach_the_router(options):
+    """moe and expert_parallel_moe (a mesh of one device) = route with the same options, then
+    experts_ffn; the options must change the result (else the check proves nothing)."""
+    x, _, weights = _case(30, 12, 8, 2)
+    router = jax.random.normal(jax.random.key(31), (6, 8))
+    bias = (jax.random.normal(jax.random.key(32), (8,))
+            if options["policy"] == "deepseek" else None)
+    routing = route(x @ router, selection_bias=bias, **options)
+    expected = experts_ffn(x, routing, weights, implementation="onehot")
+    out, ours = moe(x, router, weights, selection_bias=bias, implementation="onehot", **options)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(ours.expert_ids, routing.expert_ids)
+    mesh = jax.make_mesh((1,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
+    parallel, _ = expert_parallel_moe(x, router, weights, mesh=mesh, selection_bias=bias,
+                                      **options)
+    np.testing.assert_allclose(parallel, expected, rtol=1e-5, atol=1e-6)
+    plain = {k: v for k, v in options.items()
+             if k not in ("renormalize", "num_groups", "groups_per_token", "routed_scale")}
+    default, _ = moe(x, router, weights, selection_bias=bias, implementation="onehot", **plain)
+    assert np.abs(np.asarray(default) - np.asarray(expected)).max() > 1e-3

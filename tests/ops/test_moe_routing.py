@@ -3,7 +3,9 @@
 References: Switch Transformer (load-balancing loss E·Σ f_i·P_i, balanced = 1, collapsed = E;
 top-1 weight = the router probability), ST-MoE (z-loss = mean logsumexp², (ln E)² for zero
 logits), GShard (top-2, second expert kept with probability min(1, 2·g2), first choices take
-capacity before second choices), Mixtral (top-2 weights = softmax over the two top logits).
+capacity before second choices), Mixtral (top-2 weights = softmax over the two top logits),
+DeepSeek-V3 (group-limited routing, routed_scaling_factor) and Qwen3-MoE (norm_topk_prob)
+written out in numpy and checked against transformers' routers where it is installed.
 """
 
 import math
@@ -14,7 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tfx.ops.moe import expert_capacity, expert_load, route, update_selection_bias
+from tfx.ops.moe import (
+    check_routing_options,
+    expert_capacity,
+    expert_load,
+    route,
+    router_logits,
+    update_selection_bias,
+)
 
 
 def _logits_preferring(experts_of_tokens, num_experts, strength=20.0):
@@ -254,3 +263,230 @@ class TestBadInput:
     def test_token_mask_of_the_wrong_shape(self):
         with pytest.raises(ValueError, match="token_mask"):
             route(jnp.zeros((3, 4)), num_selected=1, token_mask=jnp.ones((4,), bool))
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-np.asarray(x, np.float64)))
+
+
+def _deepseek_reference(logits, bias, k, num_groups, groups_per_token, *, renormalize=True,
+                        routed_scale=1.0, fill=-np.inf):
+    """DeepSeek-V3's router written out: (ids [T, k] sorted, weights [T, k] in that order).
+    Selection scores s + b; a group scores the sum of its two best; outside the token's
+    groups_per_token best groups the selection scores become `fill`; the top k of those, each
+    weighted by its s (renormalised over the k when asked) times routed_scale."""
+    scores = _sigmoid(logits)
+    select = scores + np.asarray(bias, np.float64)
+    tokens, experts = select.shape
+    grouped = select.reshape(tokens, num_groups, -1)
+    group_scores = -np.sort(-grouped, -1)[..., :2].sum(-1)
+    best = np.argsort(-group_scores, -1, kind="stable")[:, :groups_per_token]
+    allowed = np.zeros((tokens, num_groups), bool)
+    np.put_along_axis(allowed, best, True, -1)
+    select = np.where(np.repeat(allowed, experts // num_groups, -1), select, fill)
+    ids = np.sort(np.argsort(-select, -1, kind="stable")[:, :k], -1)
+    weights = np.take_along_axis(scores, ids, -1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return ids, weights * routed_scale
+
+
+def _by_expert(routing):
+    """(ids, weights) of a Routing with each token's k choices sorted by expert id."""
+    ids = np.asarray(routing.expert_ids)
+    order = np.argsort(ids, -1)
+    return (np.take_along_axis(ids, order, -1),
+            np.take_along_axis(np.asarray(routing.weights), order, -1))
+
+
+def _deepseek(logits, bias, k, num_groups, groups_per_token, **kwargs):
+    return route(jnp.asarray(logits, jnp.float32), num_selected=k, policy="deepseek",
+                 selection_bias=jnp.asarray(bias, jnp.float32), num_groups=num_groups,
+                 groups_per_token=groups_per_token, **kwargs)
+
+
+# logits 0 (s = 1/2) and these biases give selection scores [0.9, -0.1 | -0.5, -0.5]: group 0
+# wins (0.8 > -1.0) but its second expert scores below 0, so that a fill of 0.0 for group 1
+# (older ports) would pick expert 2 or 3 in its place; -inf keeps the choice inside group 0.
+NEGATIVE_BIAS = np.asarray([0.4, -0.6, -1.0, -1.0])
+
+
+class TestGroupLimited:
+    @pytest.mark.parametrize("experts, groups, per_token, k", [
+        (8, 4, 2, 2), (12, 3, 1, 4), (16, 8, 3, 6), (6, 6, 3, 2), (8, 1, 1, 3)])
+    @pytest.mark.parametrize("renormalize", [True, False])
+    def test_matches_the_formula(self, experts, groups, per_token, k, renormalize):
+        keys = jax.random.split(jax.random.key(20), 2)
+        logits = 2.0 * jax.random.normal(keys[0], (24, experts))
+        bias = 0.5 * jax.random.normal(keys[1], (experts,))
+        routing = _deepseek(logits, bias, k, groups, per_token, renormalize=renormalize,
+                            routed_scale=2.5)
+        ids, weights = _deepseek_reference(logits, bias, k, groups, per_token,
+                                           renormalize=renormalize, routed_scale=2.5)
+        ours_ids, ours_weights = _by_expert(routing)
+        np.testing.assert_array_equal(ours_ids, ids)
+        np.testing.assert_allclose(ours_weights, weights, rtol=1e-5)
+        assert routing.kept.all()
+
+    def test_the_limit_changes_the_choice(self):
+        # σ = [.95, .05 | .73, .73]: expert 0 is the best alone, but group 1 (1.46) beats
+        # group 0 (1.0), so one group per token means experts 2 and 3.
+        logits = jnp.asarray([[3.0, -3.0, 1.0, 1.0]])
+        free = _deepseek(logits, np.zeros(4), 2, 1, 1)
+        limited = _deepseek(logits, np.zeros(4), 2, 2, 1)
+        assert 0 in np.asarray(free.expert_ids)
+        np.testing.assert_array_equal(_by_expert(limited)[0], [[2, 3]])
+        assert (_by_expert(_deepseek(logits, np.zeros(4), 2, 2, 2))[0] ==
+                np.sort(np.asarray(free.expert_ids), -1)).all()  # both groups: no limit
+
+    def test_outside_experts_rank_at_minus_inf_not_zero(self):
+        logits = np.zeros((1, 4))
+        routing = _deepseek(logits, NEGATIVE_BIAS, 2, 2, 1)
+        np.testing.assert_array_equal(_by_expert(routing)[0], [[0, 1]])
+        np.testing.assert_array_equal(_deepseek_reference(logits, NEGATIVE_BIAS, 2, 2, 1)[0],
+                                      [[0, 1]])
+        zero_fill = _deepseek_reference(logits, NEGATIVE_BIAS, 2, 2, 1, fill=0.0)[0]
+        assert 1 not in zero_fill  # what a 0.0 fill would have done
+
+    def test_load_balancing_loss_counts_all_experts(self):
+        logits = jax.random.normal(jax.random.key(21), (32, 8))
+        routing = _deepseek(logits, np.zeros(8), 2, 4, 1)
+        ids, _ = _deepseek_reference(logits, np.zeros(8), 2, 4, 1)
+        scores = _sigmoid(logits)
+        f = np.bincount(ids.ravel(), minlength=8) / (32 * 2)
+        expected = 8 * np.sum(f * (scores / scores.sum(1, keepdims=True)).mean(0))
+        np.testing.assert_allclose(routing.load_balancing_loss, expected, rtol=1e-5)
+
+        def total(x):
+            r = _deepseek(x, np.zeros(8), 2, 4, 1, routed_scale=2.5)
+            return r.load_balancing_loss + r.router_z_loss + r.weights.sum()
+
+        grad = jax.grad(total)(logits)
+        assert np.all(np.isfinite(grad)) and np.abs(grad).sum() > 0
+
+    def test_non_finite_logits_keep_the_rule(self):
+        # A group with a NaN or -inf among its two best scores -inf. Token 0 loses group 0 and
+        # its best expert; token 1 has group 2 only; token 2 has a single choosable expert,
+        # in a group that scores -inf like all the others, so it has no place among the
+        # groups (the first by index win the tie): it routes nowhere.
+        logits = np.asarray([[5.0, np.nan, 1.0, 0.5, 0.0, -1.0],
+                             [-np.inf, -np.inf, np.nan, 0.5, 0.0, -1.0],
+                             [np.nan, np.nan, np.nan, np.nan, 1.0, np.nan]])
+        routing = _deepseek(logits, np.zeros(6), 2, 3, 1)
+        assert np.isfinite(np.asarray(routing.weights)).all()
+        np.testing.assert_array_equal(_by_expert(routing)[0][:2], [[2, 3], [4, 5]])
+        np.testing.assert_array_equal(routing.kept, [[True, True], [True, True],
+                                                     [False, False]])
+        np.testing.assert_array_equal(routing.weights[2], [0.0, 0.0])
+        assert np.isfinite(float(routing.load_balancing_loss))
+
+
+class TestScaleAndRenormalize:
+    @pytest.mark.parametrize("policy, k", [("topk", 2), ("gshard", 2), ("deepseek", 3)])
+    def test_routed_scale_multiplies_the_weights_only(self, policy, k):
+        logits = jax.random.normal(jax.random.key(22), (16, 6))
+        plain = route(logits, num_selected=k, policy=policy, capacity_factor=1.0,
+                      rng=jax.random.key(1))
+        scaled = route(logits, num_selected=k, policy=policy, capacity_factor=1.0,
+                       rng=jax.random.key(1), routed_scale=2.5)
+        np.testing.assert_allclose(scaled.weights, 2.5 * np.asarray(plain.weights), rtol=1e-6)
+        for field in ("expert_ids", "kept", "slot", "load_balancing_loss", "router_z_loss"):
+            np.testing.assert_array_equal(getattr(scaled, field), getattr(plain, field))
+
+    def test_qwen3_without_renormalisation_keeps_the_probabilities(self):
+        logits = jax.random.normal(jax.random.key(23), (10, 8))
+        routing = route(logits, num_selected=3, renormalize=False)
+        probs = np.asarray(jax.nn.softmax(logits))
+        top = -np.sort(-probs, -1)[:, :3]
+        np.testing.assert_allclose(routing.weights, top, rtol=1e-5)
+        assert (np.asarray(routing.weights).sum(-1) < 1.0).all()
+
+    def test_deepseek_without_renormalisation_keeps_the_sigmoids(self):
+        logits = jax.random.normal(jax.random.key(24), (10, 8))
+        routing = route(logits, num_selected=2, policy="deepseek", renormalize=False,
+                        routed_scale=2.0)
+        top = -np.sort(-_sigmoid(logits), -1)[:, :2]
+        np.testing.assert_allclose(routing.weights, 2.0 * top, rtol=1e-5)
+
+
+class TestGroupOptionsBadInput:
+    @pytest.mark.parametrize("kwargs, message", [
+        (dict(num_groups=3), "num_groups .3. must divide num_experts .8."),
+        (dict(num_groups=0), "num_groups"),
+        (dict(num_groups=4, groups_per_token=5), "groups_per_token .5. must be <= num_groups"),
+        (dict(num_groups=4, groups_per_token=0), "groups_per_token"),
+        (dict(num_groups=4, groups_per_token=1, num_selected=3), "num_selected .3. must be <="),
+        (dict(num_groups=2, policy="topk"), "policy 'deepseek'"),
+        (dict(routed_scale=0.0), "routed_scale"),
+        (dict(routed_scale=-1.0), "routed_scale"),
+        (dict(routed_scale=float("inf")), "routed_scale"),
+    ])
+    def test_bad_options(self, kwargs, message):
+        kwargs = dict(dict(num_selected=2, policy="deepseek"), **kwargs)
+        with pytest.raises(ValueError, match=message):
+            route(jnp.zeros((3, 8)), **kwargs)
+        with pytest.raises(ValueError, match=message):
+            check_routing_options(8, **kwargs)
+
+
+def _hf_deepseek_router(experts, k, groups, per_token, renormalize, scale, seed=0):
+    """transformers' DeepseekV3TopkRouter with random weights and bias (None without torch)."""
+    torch = pytest.importorskip("torch")
+    deepseek = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    config = deepseek.DeepseekV3Config(hidden_size=8, n_routed_experts=experts,
+                                       num_experts_per_tok=k, n_group=groups,
+                                       topk_group=per_token, norm_topk_prob=renormalize,
+                                       routed_scaling_factor=scale)
+    router = deepseek.DeepseekV3TopkRouter(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(experts, 8, generator=generator))
+        router.e_score_correction_bias.copy_(0.5 * torch.randn(experts, generator=generator))
+    return router
+
+
+class TestAgainstTransformers:
+    @pytest.mark.parametrize("experts, k, groups, per_token", [(16, 4, 4, 2), (8, 2, 4, 3),
+                                                               (12, 3, 3, 1)])
+    @pytest.mark.parametrize("renormalize", [True, False])
+    def test_deepseek_v3_router(self, experts, k, groups, per_token, renormalize):
+        torch = pytest.importorskip("torch")
+        router = _hf_deepseek_router(experts, k, groups, per_token, renormalize, 2.5)
+        x = torch.randn(40, 8, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            _, hf_weights, hf_ids = router(x)
+        order = hf_ids.argsort(-1)
+        kernel = jnp.asarray(router.weight.detach().numpy().T)
+        routing = _deepseek(router_logits(jnp.asarray(x.numpy()), kernel),
+                            router.e_score_correction_bias.numpy(), k, groups, per_token,
+                            renormalize=renormalize, routed_scale=2.5)
+        ids, weights = _by_expert(routing)
+        np.testing.assert_array_equal(ids, hf_ids.gather(1, order).numpy())
+        np.testing.assert_allclose(weights, hf_weights.gather(1, order).numpy(), rtol=1e-5)
+
+    def test_deepseek_v3_router_with_negative_selection_scores(self):
+        torch = pytest.importorskip("torch")
+        router = _hf_deepseek_router(4, 2, 2, 1, True, 1.0)
+        with torch.no_grad():
+            router.weight.zero_()  # logits 0, s = 1/2
+            router.e_score_correction_bias.copy_(torch.tensor(NEGATIVE_BIAS))
+            _, _, hf_ids = router(torch.ones(1, 8))
+        np.testing.assert_array_equal(hf_ids.sort(-1).values.numpy(), [[0, 1]])
+
+    @pytest.mark.parametrize("renormalize", [True, False])
+    def test_qwen3_moe_router(self, renormalize):
+        torch = pytest.importorskip("torch")
+        qwen = pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
+        config = qwen.Qwen3MoeConfig(hidden_size=8, num_experts=8, num_experts_per_tok=3,
+                                     norm_topk_prob=renormalize)
+        router = qwen.Qwen3MoeTopKRouter(config)
+        generator = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            router.weight.copy_(torch.randn(8, 8, generator=generator))
+            x = torch.randn(40, 8, generator=generator)
+            _, hf_weights, hf_ids = router(x)
+        kernel = jnp.asarray(router.weight.detach().numpy().T)
+        routing = route(router_logits(jnp.asarray(x.numpy()), kernel), num_selected=3,
+                        renormalize=renormalize)
+        np.testing.assert_array_equal(routing.expert_ids, hf_ids.numpy())
+        np.testing.assert_allclose(routing.weights, hf_weights.numpy(), rtol=1e-5)

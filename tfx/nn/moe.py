@@ -60,12 +60,18 @@ class MoE(nnx.Module):
       capacity_factor: None for dropless routing.
       policy: "topk", "gshard" or "deepseek"; with "deepseek" the block holds a
         `selection_bias` [E] (a Param that tfx.train moves toward balance instead of
-        training it) and records its `expert_load` [E] in train mode.
+        training it; a checkpoint's e_score_correction_bias) and records its `expert_load`
+        [E] in train mode.
       jitter: Switch's router noise in training.
       implementation: the dispatch of tfx.ops.moe.experts_ffn: None (the platform's), "sorted",
         "onehot", "ragged" or "megablox".
       shared_experts: that many always-active experts (one MLP of width shared · d_ff) whose
         output is added to the routed experts' (DeepSeek).
+      renormalize: divide each token's k weights by their sum; None: when k > 1
+        (transformers' norm_topk_prob).
+      num_groups, groups_per_token: DeepSeek-V3's group-limited routing ("deepseek"):
+        each token's experts come from its groups_per_token best of num_groups groups.
+      routed_scale: factor of the routed experts' weights (routed_scaling_factor).
       dtype: compute dtype of the experts (the router always computes in float32).
     """
 
@@ -73,8 +79,14 @@ class MoE(nnx.Module):
                  activation: str = "silu", gated: bool = True,
                  capacity_factor: float | None = None, policy: str = "topk",
                  jitter: float = 0.0, implementation: str | None = None,
-                 shared_experts: int = 0, dtype=None,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 shared_experts: int = 0, renormalize: bool | None = None,
+                 num_groups: int = 1, groups_per_token: int = 1, routed_scale: float = 1.0,
+                 dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        routing = dict(policy=policy, capacity_factor=capacity_factor, jitter=jitter,
+                       num_groups=num_groups, groups_per_token=groups_per_token,
+                       routed_scale=routed_scale)
+        # A bad option fails here, naming it, rather than at the first call.
+        moe.check_routing_options(num_experts, experts_per_token, **routing)
         # Replicated: every device routes its own tokens over all experts.
         self.router = nnx.Linear(d_model, num_experts, use_bias=False, param_dtype=param_dtype,
                                  kernel_metadata=axes.metadata(None, None), rngs=rngs)
@@ -82,9 +94,9 @@ class MoE(nnx.Module):
                                rngs=rngs)
         # The settings of tfx.ops.moe.moe, as a tuple: module attributes that are not arrays
         # must be hashable (they are part of the nnx graph definition).
-        self.options = tuple(dict(num_selected=experts_per_token, policy=policy,
-                                  capacity_factor=capacity_factor, jitter=jitter,
-                                  activation=activation, implementation=implementation).items())
+        self.options = tuple(dict(num_selected=experts_per_token, renormalize=renormalize,
+                                  activation=activation, implementation=implementation,
+                                  **routing).items())
         self.shared = (MLP(d_model, shared_experts * d_ff, activation=activation, gated=gated,
                            use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                        if shared_experts else None)

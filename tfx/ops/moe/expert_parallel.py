@@ -72,7 +72,8 @@ BATCH_AXES = ("data", "fsdp", "expert")  # as tfx.parallel.sharding.BATCH_AXES (
 
 @functools.partial(jax.jit, static_argnames=(
     "mesh", "expert_axis", "batch_axes", "num_selected", "policy", "capacity_factor", "jitter",
-    "priority", "activation", "exchange"))
+    "priority", "renormalize", "num_groups", "groups_per_token", "routed_scale", "activation",
+    "exchange"))
 def expert_parallel_moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertWeights, *,
                         mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
                         expert_axis: str = "expert",
@@ -81,6 +82,8 @@ def expert_parallel_moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertW
                         rng: jax.Array | None = None, jitter: float = 0.0,
                         priority: str = "position", token_mask: jax.Array | None = None,
                         selection_bias: jax.Array | None = None,
+                        renormalize: bool | None = None, num_groups: int = 1,
+                        groups_per_token: int = 1, routed_scale: float = 1.0,
                         activation: str = "silu",
                         exchange: str | None = None) -> tuple[jax.Array, Routing]:
     """`tfx.ops.moe.moe` with the experts split over the mesh axis `expert_axis`.
@@ -102,6 +105,8 @@ def expert_parallel_moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertW
       jitter: as in `route`.
       priority: as in `route`.
       selection_bias: as in `route`, replicated.
+      renormalize, num_groups, groups_per_token, routed_scale: as in `route` (each token's
+        groups are its own, so they do not depend on the split).
       token_mask: [tokens] bool, split like x; as in `route`.
       rng: folded with the group's index, so that the groups draw different noise.
       activation: a key of tfx.ops.activations.ACTIVATIONS.
@@ -136,7 +141,9 @@ def expert_parallel_moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertW
                         capacity_factor=capacity_factor,
                         rng=None if rng is None else jax.random.fold_in(rng, group),
                         jitter=jitter, priority=priority, token_mask=token_mask,
-                        selection_bias=selection_bias)
+                        selection_bias=selection_bias, renormalize=renormalize,
+                        num_groups=num_groups, groups_per_token=groups_per_token,
+                        routed_scale=routed_scale)
         out = run(x, routing, weights, mesh.shape[expert_axis], expert_axis, activation)
         return out, dataclasses.replace(
             routing, load_balancing_loss=jax.lax.pmean(routing.load_balancing_loss, token_axes),

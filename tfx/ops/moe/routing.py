@@ -12,6 +12,18 @@ Definitions (see REFERENCES.md, "MoE"):
   s + selection_bias are chosen, and weighted by their s renormalised over the k. The bias
   only selects: `update_selection_bias` moves it by ±rate toward balance after each step
   (auxiliary-loss-free balancing). For the load-balancing loss P uses s / Σ s;
+- group-limited routing ("deepseek" only; DeepSeek-V3's node-limited routing, n_group and
+  topk_group): the E experts form `num_groups` equal groups of consecutive ids; a group scores
+  the sum of its two highest s + selection_bias (its one, for groups of one expert), and each
+  token chooses its k experts among those of its `groups_per_token` best groups only. The
+  other experts rank at -inf, as in DeepSeek's reference code and transformers'
+  DeepseekV3TopkRouter (earlier ports filled 0.0, which lets an outside expert win wherever
+  the bias makes a chosen group's s + bias <= 0). P, and so the load-balancing loss, still
+  covers all E experts: it measures the router, not the limit;
+- weights: renormalised over the k when `renormalize` (transformers' norm_topk_prob: True
+  for DeepSeek-V3, whose sum gets + 1e-20, far below float32's resolution of a sum of
+  sigmoids; Qwen3-MoE's default False keeps the top-k probabilities), then times
+  `routed_scale` (DeepSeek-V3's routed_scaling_factor, 2.5);
 - capacity C = ceil(capacity_factor · tokens · k / E) assignments per expert; the assignments
   are queued first choices before second choices, tokens in `priority` order within a choice
   ("position": sequence order as GShard; "probability": highest top-1 probability first, the
@@ -29,7 +41,9 @@ Definitions (see REFERENCES.md, "MoE"):
   token. +inf logits take softmax's limit: the token's probability is shared equally by its
   +inf experts and the others get 0, so with at least k of them its k weights are equal (1/k
   renormalised); its z-loss is then +inf, the loss's true value. Under "deepseek",
-  σ(+inf) = 1 is already finite and needs no rule.
+  σ(+inf) = 1 is already finite and needs no rule; with groups, a group with fewer than two
+  choosable experts scores -inf (the sum's value), so it is among the token's groups only
+  where better groups are too few.
 """
 
 from __future__ import annotations
@@ -43,8 +57,8 @@ import jax.numpy as jnp
 
 from tfx.ops import _checks
 
-__all__ = ["POLICIES", "PRIORITIES", "Routing", "check_router_kernel", "expert_capacity",
-           "expert_load", "route", "router_logits", "update_selection_bias"]
+__all__ = ["POLICIES", "PRIORITIES", "Routing", "check_router_kernel", "check_routing_options",
+           "expert_capacity", "expert_load", "route", "router_logits", "update_selection_bias"]
 
 POLICIES = ("topk", "gshard", "deepseek")
 PRIORITIES = ("position", "probability")
@@ -101,13 +115,15 @@ def expert_capacity(num_tokens: int, num_experts: int, num_selected: int,
     return max(1, math.ceil(capacity_factor * num_tokens * num_selected / num_experts))
 
 
-@functools.partial(jax.jit, static_argnames=("num_selected", "policy", "capacity_factor",
-                                             "jitter", "renormalize", "priority"))
+@functools.partial(jax.jit, static_argnames=(
+    "num_selected", "policy", "capacity_factor", "jitter", "renormalize", "priority",
+    "num_groups", "groups_per_token", "routed_scale"))
 def route(router_logits: jax.Array, *, num_selected: int, policy: str = "topk",
           capacity_factor: float | None = None, rng: jax.Array | None = None,
           jitter: float = 0.0, renormalize: bool | None = None, priority: str = "position",
-          token_mask: jax.Array | None = None,
-          selection_bias: jax.Array | None = None) -> Routing:
+          token_mask: jax.Array | None = None, selection_bias: jax.Array | None = None,
+          num_groups: int = 1, groups_per_token: int = 1,
+          routed_scale: float = 1.0) -> Routing:
     """Route each token to `num_selected` experts.
 
     Args:
@@ -125,11 +141,19 @@ def route(router_logits: jax.Array, *, num_selected: int, policy: str = "topk",
       token_mask: optional bool [tokens]; False tokens (padding) route nowhere and count in
         neither loss.
       selection_bias: float [num_experts] added to the scores for choosing only ("deepseek").
+      num_groups: experts per token come from `groups_per_token` of `num_groups` equal groups
+        ("deepseek" only; the module docstring); 1: no groups.
+      groups_per_token: 1 <= groups_per_token <= num_groups, with k <= the experts of
+        groups_per_token groups.
+      routed_scale: > 0, the factor of the combine weights (after renormalisation).
     Returns:
       a `Routing`.
     """
-    k, token_mask = _check_route(router_logits, num_selected, policy, capacity_factor, jitter,
-                                 priority, token_mask, selection_bias)
+    token_mask = _check_route_arrays(router_logits, policy, token_mask, selection_bias)
+    k = check_routing_options(router_logits.shape[1], num_selected, policy=policy,
+                              capacity_factor=capacity_factor, jitter=jitter, priority=priority,
+                              num_groups=num_groups, groups_per_token=groups_per_token,
+                              routed_scale=routed_scale)
     tokens, experts = router_logits.shape
     renormalize = k > 1 if renormalize is None else renormalize
     jitter_rng, second_rng = (None, None) if rng is None else jax.random.split(rng)
@@ -144,8 +168,8 @@ def route(router_logits: jax.Array, *, num_selected: int, policy: str = "topk",
     if jitter and jitter_rng is not None:
         logits = logits * jax.random.uniform(jitter_rng, logits.shape, jnp.float32,
                                              minval=1.0 - jitter, maxval=1.0 + jitter)
-    probs, top, expert_ids = _choose(logits, choosable, k, policy, selection_bias)
-    chosen = jnp.take_along_axis(choosable, expert_ids, axis=-1)
+    probs, top, expert_ids, chosen = _choose(logits, choosable, k, policy, selection_bias,
+                                             num_groups, groups_per_token)
     weights = top / _nonzero(top.sum(-1, keepdims=True)) if renormalize else top
 
     choices = jax.nn.one_hot(expert_ids, experts, dtype=jnp.float32) * (
@@ -161,22 +185,23 @@ def route(router_logits: jax.Array, *, num_selected: int, policy: str = "topk",
     capacity = expert_capacity(tokens, experts, k, capacity_factor)
     slot = _queue_slots(expert_ids, selected, top[:, 0], experts, priority)
     kept = selected if capacity is None else selected & (slot < capacity)
-    return Routing(expert_ids=expert_ids.astype(jnp.int32), weights=weights, kept=kept,
+    # Scaled last: GShard's second choice reads the unscaled gate.
+    return Routing(expert_ids=expert_ids.astype(jnp.int32), weights=weights * routed_scale,
+                   kept=kept,
                    slot=slot, load_balancing_loss=load_balancing_loss,
                    router_z_loss=router_z_loss, capacity=capacity)
 
 
-def _check_route(router_logits, num_selected, policy, capacity_factor, jitter, priority,
-                 token_mask, selection_bias) -> tuple[int, jax.Array]:
-    """Validate `route`'s arguments; returns (k, the token mask, all True when None)."""
-    _checks.floating("router_logits", router_logits, ndim=2, layout="[tokens, num_experts]")
-    tokens, experts = router_logits.shape
-    if experts < 1:
-        raise ValueError(f"router_logits must have num_experts >= 1, got shape "
-                         f"{tuple(router_logits.shape)}")
+def check_routing_options(num_experts: int, num_selected: int, *, policy: str = "topk",
+                          capacity_factor: float | None = None, jitter: float = 0.0,
+                          priority: str = "position", num_groups: int = 1,
+                          groups_per_token: int = 1, routed_scale: float = 1.0) -> int:
+    """Validate `route`'s static options for `num_experts` experts (a ValueError or TypeError
+    that names the argument), before any array exists (tfx.nn.MoE checks at construction);
+    returns k = num_selected."""
     k = _checks.positive_int("num_selected", num_selected)
-    if k > experts:
-        raise ValueError(f"num_selected ({k}) must be <= num_experts ({experts})")
+    if k > num_experts:
+        raise ValueError(f"num_selected ({k}) must be <= num_experts ({num_experts})")
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if policy == "gshard" and k != 2:
@@ -187,6 +212,38 @@ def _check_route(router_logits, num_selected, policy, capacity_factor, jitter, p
         raise ValueError(f"jitter must be in [0, 1), got {jitter}")
     if priority not in PRIORITIES:
         raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
+    if not math.isfinite(_checks.positive_float("routed_scale", routed_scale)):
+        raise ValueError(f"routed_scale must be finite, got {routed_scale}")
+    _check_groups(num_experts, k, policy, num_groups, groups_per_token)
+    return k
+
+
+def _check_groups(num_experts, k, policy, num_groups, groups_per_token) -> None:
+    """Validate group-limited routing's options (module docstring)."""
+    _checks.positive_int("num_groups", num_groups)
+    _checks.positive_int("groups_per_token", groups_per_token)
+    if num_groups > 1 and policy != "deepseek":
+        raise ValueError(f"num_groups > 1 (group-limited routing) is for policy 'deepseek', got "
+                         f"num_groups={num_groups} with policy {policy!r}")
+    if num_experts % num_groups:
+        raise ValueError(f"num_groups ({num_groups}) must divide num_experts ({num_experts})")
+    if groups_per_token > num_groups:
+        raise ValueError(f"groups_per_token ({groups_per_token}) must be <= num_groups "
+                         f"({num_groups})")
+    choosable = groups_per_token * (num_experts // num_groups)
+    if k > choosable:
+        raise ValueError(f"num_selected ({k}) must be <= the {choosable} experts of "
+                         f"groups_per_token={groups_per_token} groups of "
+                         f"{num_experts // num_groups}")
+
+
+def _check_route_arrays(router_logits, policy, token_mask, selection_bias) -> jax.Array:
+    """Validate `route`'s arrays; returns the token mask (all True when None)."""
+    _checks.floating("router_logits", router_logits, ndim=2, layout="[tokens, num_experts]")
+    tokens, experts = router_logits.shape
+    if experts < 1:
+        raise ValueError(f"router_logits must have num_experts >= 1, got shape "
+                         f"{tuple(router_logits.shape)}")
     if selection_bias is not None:
         if policy != "deepseek":
             raise ValueError(f"selection_bias is for policy 'deepseek', got policy {policy!r}")
@@ -195,12 +252,12 @@ def _check_route(router_logits, num_selected, policy, capacity_factor, jitter, p
             raise ValueError(f"selection_bias must be [num_experts] = ({experts},), got shape "
                              f"{tuple(selection_bias.shape)}")
     if token_mask is None:
-        return k, jnp.ones((tokens,), bool)
+        return jnp.ones((tokens,), bool)
     _checks.boolean("token_mask", token_mask)
     if token_mask.shape != (tokens,):
         raise ValueError(f"token_mask must be bool [tokens] = ({tokens},), got shape "
                          f"{tuple(token_mask.shape)}")
-    return k, token_mask
+    return token_mask
 
 
 def _z_loss(logits, choosable, valid) -> jax.Array:
@@ -218,11 +275,13 @@ def _nonzero(x: jax.Array) -> jax.Array:
     return jnp.where(x > 0, x, 1.0)
 
 
-def _choose(logits, choosable, k: int, policy: str, selection_bias):
+def _choose(logits, choosable, k: int, policy: str, selection_bias, num_groups: int = 1,
+            groups_per_token: int = 1):
     """(P [tokens, E]: the probabilities of the load-balancing loss, the chosen experts'
-    weights before renormalisation [tokens, k], their ids [tokens, k]). Experts that are not
-    `choosable` get P = 0 and rank below every choosable one (they are chosen only where a
-    token has fewer than k choosable experts, and then not kept)."""
+    weights before renormalisation [tokens, k], their ids [tokens, k], whether each was
+    choosable [tokens, k]). Experts that are not `choosable`, or outside the token's best
+    groups, get weight 0 and rank below every choosable one (they are chosen only where a token
+    has fewer than k choosable experts, and then not kept); P = 0 only for the former."""
     if policy != "deepseek":
         probs = _softmax_limit(logits, choosable)
         ranking, weights = logits, probs  # by logit: probabilities that underflow to 0 still rank
@@ -232,8 +291,26 @@ def _choose(logits, choosable, k: int, policy: str, selection_bias):
         probs = scores / _nonzero(scores.sum(-1, keepdims=True))
         ranking = scores if selection_bias is None else scores + selection_bias.astype(jnp.float32)
         weights = scores
-    _, expert_ids = jax.lax.top_k(jnp.where(choosable, ranking, -jnp.inf), k)
-    return probs, jnp.take_along_axis(weights, expert_ids, axis=-1), expert_ids
+    ranking = jnp.where(choosable, ranking, -jnp.inf)
+    if num_groups > 1:
+        choosable = choosable & _best_groups(ranking, num_groups, groups_per_token)
+        ranking = jnp.where(choosable, ranking, -jnp.inf)
+        weights = jnp.where(choosable, weights, 0.0)
+    _, expert_ids = jax.lax.top_k(ranking, k)
+    chosen = functools.partial(jnp.take_along_axis, indices=expert_ids, axis=-1)
+    return probs, chosen(weights), expert_ids, chosen(choosable)
+
+
+def _best_groups(ranking, num_groups: int, groups_per_token: int) -> jax.Array:
+    """bool [tokens, E]: the experts of each token's `groups_per_token` best groups of
+    consecutive experts, a group scoring the sum of its two highest `ranking` [tokens, E]
+    entries (-inf for experts the token cannot choose)."""
+    tokens, experts = ranking.shape
+    grouped = ranking.reshape(tokens, num_groups, experts // num_groups)
+    best, _ = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))
+    _, groups = jax.lax.top_k(best.sum(-1), groups_per_token)
+    allowed = jax.nn.one_hot(groups, num_groups, dtype=jnp.int32).sum(1) > 0  # [tokens, G]
+    return jnp.repeat(allowed, experts // num_groups, axis=-1)
 
 
 def _softmax_limit(logits, choosable):
