@@ -3,12 +3,13 @@
 from tfx.nn.attention import Attention
 from tfx.nn.caches import CrossKV, Keys, KVLayer, NoCache, SegmentLayer
 from tfx.nn.embeddings import LearnedPositions, SinusoidalPositions, TokenEmbedding
+from tfx.nn.latent_attention import LatentAttention
 from tfx.nn.mlp import ACTIVATIONS, MLP
 from tfx.nn.norms import NORMS, make_norm
 from tfx.nn.positions import ALiBi, Position, Rope, Rotary, TransformerXL
 from tfx.nn.relative_bias import RelativePositionBias
 
 __all__ = ["ACTIVATIONS", "MLP", "NORMS", "ALiBi", "Attention", "CrossKV", "KVLayer", "Keys",
-           "LearnedPositions", "NoCache", "Position", "RelativePositionBias", "Rope", "Rotary",
-           "SegmentLayer", "SinusoidalPositions", "TokenEmbedding", "TransformerXL",
-           "make_norm"]
+           "LatentAttention", "LearnedPositions", "NoCache", "Position", "RelativePositionBias",
+           "Rope", "Rotary", "SegmentLayer", "SinusoidalPositions", "TokenEmbedding",
+           "TransformerXL", "make_norm"]

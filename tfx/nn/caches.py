@@ -9,9 +9,11 @@
 
 `NoCache` (plain self- or cross-attention) attends the call's keys. `KVLayer` is a decoder's
 KV cache, linear or ring buffer (the `tfx.ops.kv_cache.CacheStep` of the call decides), with
-heads-major keys; `SegmentLayer` is Transformer-XL's memory of earlier inputs; `CrossKV` a
-cross-attention's keys and values computed once per encoder output. A new kind (compressed
-latent, paged) is one new class here.
+heads-major keys; it serves a latent cache (`LatentKV`) the same way: multi-head latent
+attention hands it its latent and rotary key as the `Keys`' key and value, and expands what it
+gets back (`tfx.nn.latent_attention`). `SegmentLayer` is Transformer-XL's memory of earlier
+inputs; `CrossKV` a cross-attention's keys and values computed once per encoder output. A
+new kind (paged) is one new class here.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from tfx.ops.kv_cache import CacheStep, LayerKV, write
+from tfx.ops.kv_cache import CacheStep, LatentKV, LayerKV, write
 from tfx.ops.masks import combine_masks
 from tfx.ops.sparse import SparsitySpec
 
@@ -91,10 +93,11 @@ class CrossKV(NoCache):
 
 @dataclasses.dataclass(frozen=True)
 class KVLayer(NoCache):
-    """One layer's KV cache (`LayerKV`) and the call's `CacheStep` (shared by the layers),
-    which places the new tokens and says what each query sees."""
+    """One layer's KV cache (`LayerKV`, or `LatentKV` for latent attention) and the call's
+    `CacheStep` (shared by the layers), which places the new tokens and says what each query
+    sees."""
 
-    kv: LayerKV
+    kv: LayerKV | LatentKV
     step: CacheStep
 
     def query_positions(self, positions, q_len):

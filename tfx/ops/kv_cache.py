@@ -5,9 +5,11 @@ later token attends to its key and value. Caching them turns each decoding step 
 O(seq * d_model^2) projections for the whole sequence so far into O(d_model^2) for one token.
 
 Layout. Each layer holds `LayerKV` arrays [batch, num_kv_heads, cache_len, head_dim] (GQA/MQA
-store only their KV heads). Heads-major rather than the [batch, seq, heads, dim] of activations:
-attention then contracts each head's keys in place instead of transposing the whole cache at
-every step (see `tfx.ops.attention.cached_attention`). Shared by the layers,
+store only their KV heads), or for multi-head latent attention (DeepSeek-V2/V3, `LatentKV`)
+only the compressed latent and the one rotary key shared by the heads, from which the layer
+recomputes its keys and values. Heads-major rather than the [batch, seq, heads, dim] of
+activations: attention then contracts each head's keys in place instead of transposing the
+whole cache at every step (see `tfx.ops.attention.cached_attention`). Shared by the layers,
 `KVCache.positions` [batch, cache_len] records the true position of the token in each slot
 (-1: empty), and `next_position` [batch] where each sequence goes on. A token at true position
 p lives in slot p, or p % window for a sliding-window ring buffer, so prompts of different
@@ -32,10 +34,12 @@ from tfx.ops import _checks
 __all__ = [
     "CacheStep",
     "KVCache",
+    "LatentKV",
     "LayerKV",
     "SegmentMemory",
     "Seq2SeqCache",
     "init_cache",
+    "init_latent_cache",
     "init_memory",
     "write",
 ]
@@ -46,18 +50,43 @@ def _static():
     return dataclasses.field(metadata=dict(static=True))
 
 
+class _LayerArrays:
+    """What a layer's cache is to `write` and `KVCache`: its dataclass fields, in order, each an
+    array [batch, heads, cache_len, dim] (with a leading [num_layers] axis when stacked)."""
+
+    @property
+    def arrays(self) -> tuple[jax.Array, ...]:
+        return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for array in self.arrays)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class LayerKV:
+class LayerKV(_LayerArrays):
     """One attention layer's keys and values, each [batch, num_kv_heads, cache_len, head_dim]
     (with a leading [num_layers] axis when a model stacks its layers)."""
 
     key: jax.Array
     value: jax.Array
 
-    @property
-    def nbytes(self) -> int:
-        return self.key.nbytes + self.value.nbytes
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LatentKV(_LayerArrays):
+    """One multi-head latent attention layer's cache (`tfx.nn.LatentAttention`): what its keys
+    and values are computed from, with one "head" each so that `write` stores them as it
+    stores keys (with a leading [num_layers] axis when a model stacks its layers).
+
+    latent: [batch, 1, cache_len, kv_lora_rank], the normalised compressed latent c.
+    rope_key: [batch, 1, cache_len, qk_rope_head_dim], the rotary key shared by all heads,
+      already rotated at its position.
+    """
+
+    latent: jax.Array
+    rope_key: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -88,13 +117,14 @@ class CacheStep:
 class KVCache:
     """A decoder's cache: per-layer keys/values and the slot bookkeeping the layers share.
 
-    layers: tuple of LayerKV, one per layer, or one LayerKV with a leading [num_layers] axis.
+    layers: tuple of LayerKV (or LatentKV), one per layer, or one with a leading [num_layers]
+      axis.
     positions: int32 [batch, cache_len], true position held by each slot, -1 when empty.
     next_position: int32 [batch], the true position of each sequence's next token.
     window: sliding-window size when the cache is a ring buffer of `window` slots, else None.
     """
 
-    layers: tuple[LayerKV, ...] | LayerKV
+    layers: tuple[LayerKV | LatentKV, ...] | LayerKV | LatentKV
     positions: jax.Array
     next_position: jax.Array
     window: int | None = _static()
@@ -104,6 +134,13 @@ class KVCache:
         """Bytes of cached keys and values (the bookkeeping is negligible)."""
         layers = self.layers if isinstance(self.layers, tuple) else (self.layers,)
         return sum(layer.nbytes for layer in layers)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token costs, all layers together: per layer 2 · num_kv_heads ·
+        head_dim · itemsize for keys and values (MHA/GQA/MQA), (kv_lora_rank +
+        qk_rope_head_dim) · itemsize for a latent cache (`init_latent_cache`)."""
+        return self.nbytes // self.positions.size
 
     def take(self, rows: jax.Array) -> KVCache:
         """The cache of sequences `rows` (int [new_batch]), e.g. to expand a batch into beams
@@ -151,31 +188,33 @@ class KVCache:
         return step, dataclasses.replace(self, positions=positions, next_position=next_position)
 
 
-def write(layer: LayerKV, key: jax.Array, value: jax.Array,
-          step: CacheStep) -> tuple[jax.Array, jax.Array, LayerKV]:
+def write(layer: LayerKV | LatentKV, key: jax.Array, value: jax.Array,
+          step: CacheStep) -> tuple[jax.Array, jax.Array, LayerKV | LatentKV]:
     """Store one layer's new keys and values and return what the layer attends to.
 
     Args:
-      layer: the layer's cache, [batch, num_kv_heads, cache_len, head_dim] each.
+      layer: the layer's cache, [batch, num_kv_heads, cache_len, head_dim] each; or a
+        `LatentKV`, whose latent and rotary key take the places of key and value.
       key: [batch, q_len, num_kv_heads, head_dim], already rotated (RoPE) at its positions.
       value: [batch, q_len, num_kv_heads, head_dim].
       step: from `KVCache.plan`.
     Returns:
       keys and values to attend, heads-major [batch, num_kv_heads, kv_len, head_dim] (kv_len as
-      in `step`), and the updated layer cache.
+      in `step`), and the updated layer cache (of the type of `layer`).
     """
     rows = jnp.arange(key.shape[0])[:, None]
 
     def put(cached, new):  # new [batch, q_len, heads, dim] lands at [rows, :, slots]
         return cached.at[rows, :, step.slots].set(new.astype(cached.dtype), mode="drop")
 
-    updated = LayerKV(put(layer.key, key), put(layer.value, value))
+    news = (key, value)
+    updated = type(layer)(*map(put, layer.arrays, news))
     if step.append:
         def chunk(cached, new):
             return jnp.concatenate([cached, jnp.swapaxes(new, 1, 2).astype(cached.dtype)], axis=2)
 
-        return chunk(layer.key, key), chunk(layer.value, value), updated
-    return updated.key, updated.value, updated
+        return (*map(chunk, layer.arrays, news), updated)
+    return (*updated.arrays, updated)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -202,19 +241,54 @@ def init_cache(*, num_layers: int, batch: int, max_len: int, num_kv_heads: int, 
       KVCache with layers [batch, num_kv_heads, cache_len, head_dim], cache_len = max_len or
       window.
     """
-    for name, number in (("num_layers", num_layers), ("batch", batch), ("max_len", max_len),
-                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+    for name, number in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        _checks.positive_int(name, number)
+    return _empty_cache(LayerKV, ((num_kv_heads, head_dim),) * 2, num_layers=num_layers,
+                        batch=batch, max_len=max_len, dtype=dtype, window=window,
+                        stacked=stacked)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "num_layers", "batch", "max_len", "kv_lora_rank", "qk_rope_head_dim", "dtype", "window",
+    "stacked"))
+def init_latent_cache(*, num_layers: int, batch: int, max_len: int, kv_lora_rank: int,
+                      qk_rope_head_dim: int, dtype=jnp.float32, window: int | None = None,
+                      stacked: bool = False) -> KVCache:
+    """An empty cache for multi-head latent attention (`tfx.nn.LatentAttention`): per layer only
+    the compressed latent and the shared rotary key, (kv_lora_rank + qk_rope_head_dim) values
+    per token instead of 2 · num_kv_heads · head_dim. Slots, positions, padding and the ring
+    buffer are those of `init_cache` (same arguments), so `KVCache.plan` and `tfx.generate`
+    serve it unchanged.
+
+    Returns:
+      KVCache whose layers are `LatentKV`: latent [batch, 1, cache_len, kv_lora_rank] and
+      rope_key [batch, 1, cache_len, qk_rope_head_dim] (a tuple of one per layer, or one with
+      a leading [num_layers] axis when `stacked`).
+    """
+    for name, number in (("kv_lora_rank", kv_lora_rank), ("qk_rope_head_dim", qk_rope_head_dim)):
+        _checks.positive_int(name, number)
+    return _empty_cache(LatentKV, ((1, kv_lora_rank), (1, qk_rope_head_dim)),
+                        num_layers=num_layers, batch=batch, max_len=max_len, dtype=dtype,
+                        window=window, stacked=stacked)
+
+
+def _empty_cache(layer_type: type, dims: tuple[tuple[int, int], ...], *, num_layers: int,
+                 batch: int, max_len: int, dtype, window: int | None,
+                 stacked: bool) -> KVCache:
+    """A cache of `layer_type` layers, one array [batch, heads, cache_len, dim] for each
+    (heads, dim) of `dims`, with no slot filled (see `init_cache` for the arguments)."""
+    for name, number in (("num_layers", num_layers), ("batch", batch), ("max_len", max_len)):
         _checks.positive_int(name, number)
     if window is not None:
         _checks.positive_int("window", window)
     ring = window is not None and window < max_len
     cache_len = window if ring else max_len
-    shape = (batch, num_kv_heads, cache_len, head_dim)
-    if stacked:
-        layers = LayerKV(*(jnp.zeros((num_layers, *shape), dtype) for _ in range(2)))
-    else:
-        layers = tuple(LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-                       for _ in range(num_layers))
+
+    def layer(leading: tuple[int, ...]):
+        return layer_type(*(jnp.zeros((*leading, batch, heads, cache_len, dim), dtype)
+                            for heads, dim in dims))
+
+    layers = layer((num_layers,)) if stacked else tuple(layer(()) for _ in range(num_layers))
     return KVCache(layers=layers, positions=jnp.full((batch, cache_len), -1, jnp.int32),
                    next_position=jnp.zeros((batch,), jnp.int32), window=window if ring else None)
 
