@@ -9,6 +9,7 @@ from typing import get_args
 import pytest
 
 from tfx.models import config, parts
+from tfx.nn.attention import QK_NORMS
 from tfx.nn.norms import NORMS
 from tfx.ops import attention, moe
 from tfx.ops.activations import ACTIVATIONS
@@ -22,6 +23,7 @@ from tfx.ops.positional.rope import LAYOUTS
     (parts.AttentionImplementation, attention.IMPLEMENTATIONS),
     (parts.MoePolicy, moe.POLICIES),
     (parts.MoeDispatch, moe.IMPLEMENTATIONS),
+    (parts.QKNorm, QK_NORMS),
 ], ids=lambda x: getattr(x, "__name__", None) if not isinstance(x, (tuple, dict)) else None)
 def test_each_literal_lists_its_tables_keys(literal, table):
     assert set(get_args(literal)) == set(table)

@@ -33,39 +33,56 @@ class Block(nnx.Module):
     """x -> x + attention -> [x + cross-attention] -> x + MLP (or mixture of experts, `moe`).
 
     Pre-norm (GPT-2, LLaMA, T5): x + f(norm(x)); post-norm (BERT, original Transformer):
-    norm(x + f(x)). Dropout is applied to each branch before the residual sum.
+    norm(x + f(x)). Pre-norm layers may also normalise each branch's output, x +
+    norm2(f(norm1(x))) (Gemma 2 and 3: `norm.outputs`), or only the output (OLMo 2:
+    `norm.inputs` False); with `mlp.parallel` the MLP reads the layer's input beside the
+    attention (GPT-NeoX). Dropout is applied to each branch before the residual sum.
+
+    layer_type: "full" or "sliding" (`TransformerConfig.layer_type`): a sliding layer rotates
+      with rope.local_theta when the config has one (the window itself is the stack's mask).
     """
 
     def __init__(self, config: TransformerConfig, *, cross_attention: bool = False,
-                 moe: bool = False, rngs: nnx.Rngs):
+                 moe: bool = False, layer_type: str = "full", rngs: nnx.Rngs):
         c = config
         kinds = dtypes(c)
 
         def attention(**kwargs):
             return Attention(c.d_model, c.num_heads, num_kv_heads=c.kv_heads,
                              head_dim=c.attention.head_dim, use_bias=c.use_bias,
-                             scale=c.attention.scale, implementation=c.attention.implementation,
+                             qkv_bias=c.attention.qkv_bias, out_bias=c.attention.out_bias,
+                             qk_norm=c.attention.qk_norm,
+                             norm_eps=c.norm.eps, scale=c.attention.scale,
+                             softcap=c.attention.softcap,
+                             implementation=c.attention.implementation,
                              rngs=rngs, **kinds, **kwargs)
 
-        def norm():
-            return make_norm(c.norm.kind, c.d_model, epsilon=c.norm.eps, rngs=rngs, **kinds)
+        def norm(present: bool = True):
+            return (make_norm(c.norm.kind, c.d_model, epsilon=c.norm.eps, rngs=rngs, **kinds)
+                    if present else None)
 
-        self.pre_norm = c.norm.pre_norm
-        self.attention = attention(position=_position(c, rngs))
-        self.attention_norm = norm()
+        self.pre_norm, self.parallel_mlp = c.norm.pre_norm, c.mlp.parallel
+        inputs = c.norm.inputs or not c.norm.pre_norm
+        self.attention = attention(position=_position(c, layer_type, rngs))
+        self.attention_norm = norm(inputs)
+        self.attention_output_norm = norm(c.norm.outputs)
         self.cross_attention = attention() if cross_attention else None
-        self.cross_norm = norm() if cross_attention else None
+        self.cross_norm = norm(inputs and cross_attention)
+        self.cross_output_norm = norm(c.norm.outputs and cross_attention)
         if moe:
             self.mlp = MoE(c.d_model, c.moe.d_ff or c.d_ff, num_experts=c.moe.num_experts,
                            experts_per_token=c.moe.experts_per_token, activation=c.mlp.activation,
                            gated=c.mlp.gated, capacity_factor=c.moe.capacity_factor,
                            policy=c.moe.policy, jitter=c.moe.jitter,
                            implementation=c.moe.dispatch, shared_experts=c.moe.shared_experts,
-                           rngs=rngs, **kinds)
+                           renormalize=c.moe.renormalize, num_groups=c.moe.num_groups,
+                           groups_per_token=c.moe.groups_per_token,
+                           routed_scale=c.moe.routed_scale, rngs=rngs, **kinds)
         else:
             self.mlp = MLP(c.d_model, c.d_ff, activation=c.mlp.activation, gated=c.mlp.gated,
                            use_bias=c.use_bias, rngs=rngs, **kinds)
-        self.mlp_norm = norm()
+        self.mlp_norm = norm(inputs)
+        self.mlp_output_norm = norm(c.norm.outputs)
         self.dropout = make_dropout(c.dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array, *, context: jax.Array | LayerKV | None = None,
@@ -92,7 +109,7 @@ class Block(nnx.Module):
         """
         h = self.attention(self.branch_input("attention", x), cache=cache, **attention_args)
         h, cache = (h, None) if cache is None else h
-        x = self.residual("attention", x, h)
+        layer_input, x = x, self.residual("attention", x, h)
         if self.cross_attention is not None:
             segments = {} if context_segment_ids is None else dict(
                 query_segment_ids=attention_args.get("query_segment_ids"),
@@ -100,19 +117,24 @@ class Block(nnx.Module):
             h = self.cross_attention(self.branch_input("cross", x), context, mask=context_mask,
                                      **segments)
             x = self.residual("cross", x, h)
-        h = self.branch_input("mlp", x)
+        h = self.branch_input("mlp", layer_input if self.parallel_mlp else x)
         x = self.residual("mlp", x, self.mlp(h, token_mask) if isinstance(self.mlp, MoE)
                           else self.mlp(h))
         return x if cache is None else (x, cache)
 
     def branch_input(self, branch: str, x: jax.Array) -> jax.Array:
-        """What branch "attention", "cross" or "mlp" reads: its norm of x (pre-norm) or x."""
-        return getattr(self, f"{branch}_norm")(x) if self.pre_norm else x
+        """What branch "attention", "cross" or "mlp" reads: its norm of x (pre-norm layers
+        that normalise inputs) or x."""
+        norm = getattr(self, f"{branch}_norm")
+        return norm(x) if self.pre_norm and norm is not None else x
 
     def residual(self, branch: str, x: jax.Array, h: jax.Array) -> jax.Array:
-        """x plus the branch's output h [batch, seq, d_model], dropped out; post-norm models
-        then normalise the sum. A subclass may transform h first."""
+        """x plus the branch's output h [batch, seq, d_model] (normalised first when the layer
+        normalises outputs), dropped out; post-norm models then normalise the sum. A subclass
+        may transform h first."""
         if self.pre_norm:
+            output_norm = getattr(self, f"{branch}_output_norm")
+            h = h if output_norm is None else output_norm(h)
             return x + self.dropout(h)
         return getattr(self, f"{branch}_norm")(x + self.dropout(h))
 
@@ -125,11 +147,13 @@ class RematBlock(Block):
         return nnx.remat(lambda block, h: Block.__call__(block, h, **kwargs))(self, x)
 
 
-def _position(config: TransformerConfig, rngs: nnx.Rngs) -> Position | None:
+def _position(config: TransformerConfig, layer_type: str, rngs: nnx.Rngs) -> Position | None:
     """The positional encoding of a layer's self-attention (None: the embeddings carry
     positions, T5's stack adds its bias, or there are none)."""
     c = config
     if c.position == "rope":
+        if layer_type == "sliding" and c.rope.local_theta is not None:
+            return Rotary(Rope(c.rope.local_theta, c.rope.layout, None, c.rope.fraction))
         return Rotary(Rope(c.rope.theta, c.rope.layout, c.rope.scaling, c.rope.fraction))
     if c.position == "alibi":
         return ALiBi(c.num_heads)

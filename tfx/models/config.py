@@ -146,13 +146,36 @@ class TransformerConfig:
             raise TypeError(f"use_bias must be a bool, got {type(self.use_bias).__name__}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if self.moe is not None and self.compute.scan_layers and self.moe.every != 1:
+        self._check_layers()
+
+    def _check_layers(self):
+        """Per-layer kinds: as many layer types as layers; scanned layers all alike."""
+        types = self.attention.layer_types
+        if types is not None and len(types) != self.num_layers:
+            raise ValueError(f"attention.layer_types has {len(types)} entries, one per layer: "
+                             f"num_layers is {self.num_layers}")
+        if not self.compute.scan_layers:
+            return
+        if self.moe is not None and (self.moe.every != 1 or self.moe.first_dense):
             raise ValueError(f"compute.scan_layers runs one kind of layer: with experts it needs "
-                             f"moe.every=1, got {self.moe.every}")
+                             f"moe.every=1 and moe.first_dense=0, got {self.moe.every} and "
+                             f"{self.moe.first_dense}")
+        if types is not None and len(set(types)) > 1:
+            raise ValueError("compute.scan_layers runs one kind of layer: attention.layer_types "
+                             f"mixes {sorted(set(types))}")
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer `index` (0-based) has a mixture of experts in place of its MLP."""
-        return self.moe is not None and (index + 1) % self.moe.every == 0
+        return (self.moe is not None and index >= self.moe.first_dense
+                and (index + 1) % self.moe.every == 0)
+
+    def layer_type(self, index: int) -> str:
+        """What layer `index` (0-based) attends: "sliding" (the last attention.sliding_window
+        tokens) or "full" (see AttentionConfig.layer_types)."""
+        types = self.attention.layer_types
+        if types is not None:
+            return types[index]
+        return "full" if self.attention.sliding_window is None else "sliding"
 
     @property
     def kv_heads(self) -> int:
@@ -186,9 +209,20 @@ class TransformerConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig(TransformerConfig):
-    """Causal language model (GPT-2, LLaMA, Mistral, Mixtral): the only family whose
-    attention may have a `sliding_window` or a sparse `pattern` (see AttentionConfig), and the
-    one that may use Transformer-XL relative attention (position="xl")."""
+    """Causal language model (GPT-2, LLaMA, Mistral, Mixtral, Qwen, Gemma, ...): the only
+    family whose attention may have a `sliding_window`, `layer_types` or a sparse `pattern`
+    (see AttentionConfig), and the one that may use Transformer-XL relative attention
+    (position="xl")."""
+
+    logit_softcap: float | None = None
+    """Logits become logit_softcap · tanh(logits / logit_softcap) (Gemma 2's
+    final_logit_softcapping); None: uncapped."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        cap = self.logit_softcap
+        if cap is not None and not (isinstance(cap, int | float) and 0 < cap < float("inf")):
+            raise ValueError(f"logit_softcap must be a finite number > 0 or None, got {cap!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -283,7 +317,7 @@ def _not_decoder_only(config: TransformerConfig) -> None:
     if config.position == "xl":
         raise ValueError(f"position 'xl' (Transformer-XL relative attention) needs causal "
                          f"self-attention: use it in a DecoderConfig, not {name}")
-    for field in ("sliding_window", "pattern"):
+    for field in ("sliding_window", "pattern", "layer_types"):
         if getattr(config.attention, field) is not None:
             raise ValueError(f"attention.{field} is for causal decoders (DecoderConfig), not "
                              f"{name}")

@@ -15,6 +15,7 @@ from tfx.models.leading import leading_inputs
 from tfx.models.stack import Embeddings, Stack
 from tfx.nn import axes
 from tfx.nn.embeddings import TokenEmbedding
+from tfx.ops.activations import softcap
 from tfx.ops.kv_cache import KVCache, SegmentMemory, init_cache, init_memory
 from tfx.ops.masks import padding_mask
 
@@ -140,10 +141,12 @@ class Decoder(nnx.Module):
                                  "Transformer-XL memory (position='xl'), which would forget them")
             return init_memory(num_layers=c.num_layers, batch=batch, mem_len=max_len,
                                d_model=c.d_model, dtype=dtype, stacked=c.compute.scan_layers)
+        # A ring buffer of the window when every layer slides; full layers need every key.
+        sliding = all(c.layer_type(i) == "sliding" for i in range(c.num_layers))
         cache = init_cache(num_layers=c.num_layers, batch=batch, max_len=max_len + g,
                            num_kv_heads=c.kv_heads,
                            head_dim=c.attention.head_dim or c.d_model // c.num_heads,
-                           dtype=dtype, window=c.attention.sliding_window,
+                           dtype=dtype, window=c.attention.sliding_window if sliding else None,
                            stacked=c.compute.scan_layers)
         if g:
             _, cache = self._cached(jnp.zeros((batch, 0), jnp.int32), jnp.ones((batch, g), bool),
@@ -151,15 +154,18 @@ class Decoder(nnx.Module):
         return cache
 
     def logits(self, hidden: jax.Array, output_weights: jax.Array | None = None) -> jax.Array:
-        """[batch, seq, d_model] -> float32 [batch, seq, vocab_size].
+        """[batch, seq, d_model] -> float32 [batch, seq, vocab_size], soft-capped by
+        config.logit_softcap when it has one.
 
         output_weights: `self.output_weights()` computed once by a caller that applies the head
         many times (a decoding loop); None uses the head directly.
         """
         if output_weights is not None:
-            return (hidden @ output_weights.astype(hidden.dtype)).astype(jnp.float32)
-        out = self.embeddings.tokens.attend(hidden) if self.head is None else self.head(hidden)
-        return out.astype(jnp.float32)
+            out = hidden @ output_weights.astype(hidden.dtype)
+        else:
+            out = (self.embeddings.tokens.attend(hidden) if self.head is None
+                   else self.head(hidden))
+        return softcap(out.astype(jnp.float32), self.config.logit_softcap)
 
     def output_weights(self) -> jax.Array | None:
         """The output head as one [d_model, vocab_size] matrix: the head's kernel, or the

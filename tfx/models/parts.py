@@ -19,9 +19,9 @@ else:  # a runtime annotation that names no jax type (tyro reads it as a fixed f
     RopeScaling = object
 
 __all__ = ["COMPUTE_DTYPES", "Activation", "AttentionConfig", "AttentionImplementation",
-           "ComputeConfig", "Dtype", "EmbeddingsConfig", "MlpConfig", "MoeConfig",
-           "MoeDispatch", "MoePolicy", "NormConfig", "NormKind", "RopeConfig", "RopeLayout",
-           "SpecialTokens", "T5BiasConfig"]
+           "ComputeConfig", "Dtype", "EmbeddingsConfig", "LayerType", "MlpConfig", "MoeConfig",
+           "MoeDispatch", "MoePolicy", "NormConfig", "NormKind", "QKNorm", "RopeConfig",
+           "RopeLayout", "SpecialTokens", "T5BiasConfig"]
 
 # The names of tfx.ops.activations.ACTIVATIONS.
 Activation = Literal["gelu", "gelu_tanh", "relu", "silu"]
@@ -35,6 +35,11 @@ AttentionImplementation = Literal["reference", "blocked", "cudnn", "pallas_gpu",
 # tfx.ops.moe.POLICIES and tfx.ops.moe.IMPLEMENTATIONS.
 MoePolicy = Literal["topk", "gshard", "deepseek"]
 MoeDispatch = Literal["sorted", "onehot", "ragged", "megablox"]
+# What a layer's self-attention sees: every earlier token, or the last attention.sliding_window.
+LayerType = Literal["full", "sliding"]
+# Where queries and keys are normalised (RMS over the norm kind's statistics): each head's
+# head_dim features (Qwen 3, Gemma 3), or all heads' features at once (OLMo 2).
+QKNorm = Literal["per_head", "across_heads"]
 # Floating-point dtypes by name; resolved to jnp dtypes where modules are built.
 Dtype = Literal["float32", "bfloat16", "float16"]
 COMPUTE_DTYPES = (None, *get_args(Dtype))
@@ -53,6 +58,9 @@ class RopeConfig:
     """A `tfx.ops.positional` scaling object (linear, ntk, dynamic, yarn, llama3) or None."""
     fraction: float = 1.0
     """Fraction of each head's dimensions rotated (GPT-NeoX's rotary_pct)."""
+    local_theta: float | None = None
+    """Base wavelength of the "sliding" layers (Gemma 3's rope_local_base_freq), which then
+    rotate without `scaling`; None: every layer uses theta and scaling."""
 
     def __post_init__(self):
         if not self.theta > 0:
@@ -66,6 +74,8 @@ class RopeConfig:
                                 f"{type(self.scaling).__name__}")
         if not 0.0 < self.fraction <= 1.0:
             raise ValueError(f"rope.fraction must be in (0, 1], got {self.fraction}")
+        if self.local_theta is not None and not self.local_theta > 0:
+            raise ValueError(f"rope.local_theta must be > 0 or None, got {self.local_theta}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,6 +111,22 @@ class AttentionConfig:
     """A sparse pattern in the text form of `tfx.ops.sparse.parse_spec` (e.g.
     "window:256|global:16|random:64,2", BigBird), intersected with the causal mask; for
     training and scoring (a KV cache cannot hold it)."""
+    layer_types: tuple[LayerType, ...] | None = None
+    """Per layer, "full" or "sliding" (the last `sliding_window` tokens): Gemma 2 alternates
+    them, Gemma 3 has five sliding layers per full one. None: every layer "sliding" when
+    sliding_window is set, else "full"."""
+    softcap: float | None = None
+    """Scores become softcap · tanh(scores / softcap) before the softmax (Gemma 2); None:
+    uncapped."""
+    qkv_bias: bool | None = None
+    """Biases on the query, key and value projections; None: the model's use_bias (Qwen 2
+    has them without an output or MLP bias)."""
+    out_bias: bool | None = None
+    """A bias on the output projection; None: the model's use_bias (Qwen 3's attention_bias
+    puts biases on all four projections and none in the MLP)."""
+    qk_norm: QKNorm | None = None
+    """Normalise queries and keys before positions are applied (norm.kind, norm.eps):
+    "per_head" (Qwen 3, Gemma 3) or "across_heads" (OLMo 2); None: not normalised."""
 
     def __post_init__(self):
         for name in ("num_kv_heads", "head_dim", "sliding_window"):
@@ -110,6 +136,32 @@ class AttentionConfig:
                (None, *get_args(AttentionImplementation)))
         if self.pattern is not None:
             self._check_pattern()
+        if self.softcap is not None and not (isinstance(self.softcap, int | float)
+                                             and 0 < self.softcap < float("inf")):
+            raise ValueError(f"attention.softcap must be a finite number > 0 or None, got "
+                             f"{self.softcap!r}")
+        for name in ("qkv_bias", "out_bias"):
+            if getattr(self, name) is not None:
+                boolean(f"attention.{name}", getattr(self, name))
+        one_of("attention.qk_norm", self.qk_norm, (None, *get_args(QKNorm)))
+        if self.layer_types is not None:
+            self._check_layer_types()
+
+    def _check_layer_types(self):
+        kinds = self.layer_types
+        if isinstance(kinds, list):  # a list from JSON or the command line: one value
+            kinds = tuple(kinds)
+            object.__setattr__(self, "layer_types", kinds)  # frozen: set once, here
+        if not isinstance(kinds, tuple):
+            raise TypeError(f"attention.layer_types must be a tuple of layer types or None, got "
+                            f"{type(kinds).__name__}")
+        for kind in kinds:
+            one_of("attention.layer_types[...]", kind, get_args(LayerType))
+        if "sliding" in kinds and self.sliding_window is None:
+            raise ValueError("attention.layer_types has 'sliding' layers: set "
+                             "attention.sliding_window")
+        if self.pattern is not None:
+            raise ValueError("give attention.layer_types or attention.pattern, not both")
 
     def _check_pattern(self):
         if not isinstance(self.pattern, str):
@@ -135,10 +187,14 @@ class MlpConfig:
     """Nonlinearity (`tfx.ops.activations.ACTIVATIONS`)."""
     gated: bool = False
     """A gated linear unit (SwiGLU with activation="silu")."""
+    parallel: bool = False
+    """The MLP reads the layer's input beside attention, x + attention(n1(x)) + mlp(n2(x))
+    (GPT-NeoX, GPT-J), instead of the attention's output; pre-norm models only."""
 
     def __post_init__(self):
         one_of("mlp.activation", self.activation, get_args(Activation))
         boolean("mlp.gated", self.gated)
+        boolean("mlp.parallel", self.parallel)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -151,12 +207,22 @@ class NormConfig:
     """Added to the variance (BERT 1e-12, GPT-2 1e-5, T5 1e-6)."""
     pre_norm: bool = True
     """x + f(norm(x)) (GPT-2, LLaMA, T5); False: norm(x + f(x)) (BERT, Vaswani et al.)."""
+    inputs: bool = True
+    """Pre-norm layers normalise each branch's input; False: they do not (OLMo 2, which
+    normalises the outputs instead)."""
+    outputs: bool = False
+    """Pre-norm layers also normalise each branch's output before the residual sum,
+    x + norm2(f(norm1(x))) (Gemma 2 and 3; OLMo 2 without norm1)."""
 
     def __post_init__(self):
         one_of("norm.kind", self.kind, get_args(NormKind))
         if not self.eps > 0:
             raise ValueError(f"norm.eps must be > 0, got {self.eps}")
-        boolean("norm.pre_norm", self.pre_norm)
+        for name in ("pre_norm", "inputs", "outputs"):
+            boolean(f"norm.{name}", getattr(self, name))
+        if not self.pre_norm and not (self.inputs and not self.outputs):
+            raise ValueError("norm.inputs=False and norm.outputs=True are for pre-norm layers "
+                             "(norm.pre_norm=True); post-norm layers normalise the residual sum")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -183,6 +249,18 @@ class MoeConfig:
     """Implementation of `tfx.ops.moe.experts_ffn`; None for the platform's."""
     shared_experts: int = 0
     """Experts that every token uses beside the routed ones (DeepSeek)."""
+    first_dense: int = 0
+    """The first layers keep a dense MLP of width d_ff (DeepSeek's first_k_dense_replace)."""
+    renormalize: bool | None = None
+    """Divide each token's k weights by their sum; None: when k > 1 (Mixtral), not at k = 1
+    (Switch). Qwen 3 MoE's norm_topk_prob."""
+    num_groups: int = 1
+    """Experts form this many equal groups, of which a token may use `groups_per_token`
+    (DeepSeek-V3's group-limited routing); 1: no groups."""
+    groups_per_token: int = 1
+    """Groups a token's experts may come from (DeepSeek-V3's topk_group)."""
+    routed_scale: float = 1.0
+    """Factor of the routed experts' weights (DeepSeek-V3's routed_scaling_factor)."""
 
     def __post_init__(self):
         for name in ("num_experts", "experts_per_token", "every"):
@@ -203,6 +281,28 @@ class MoeConfig:
             raise ValueError(f"moe.jitter must be in [0, 1), got {self.jitter}")
         one_of("moe.dispatch", self.dispatch, (None, *get_args(MoeDispatch)))
         positive_int("moe.shared_experts", self.shared_experts, minimum=0)
+        positive_int("moe.first_dense", self.first_dense, minimum=0)
+        if self.renormalize is not None:
+            boolean("moe.renormalize", self.renormalize)
+        self._check_groups()
+
+    def _check_groups(self):
+        positive_int("moe.num_groups", self.num_groups)
+        positive_int("moe.groups_per_token", self.groups_per_token)
+        if self.num_experts % self.num_groups:
+            raise ValueError(f"moe.num_groups ({self.num_groups}) must divide moe.num_experts "
+                             f"({self.num_experts})")
+        if self.num_groups > 1 and self.policy != "deepseek":
+            raise ValueError(f"moe.num_groups > 1 (group-limited routing) needs moe.policy "
+                             f"'deepseek', got {self.policy!r}")
+        if self.groups_per_token > self.num_groups:
+            raise ValueError(f"moe.groups_per_token ({self.groups_per_token}) must be <= "
+                             f"moe.num_groups ({self.num_groups})")
+        if self.experts_per_token > self.groups_per_token * self.num_experts // self.num_groups:
+            raise ValueError(f"moe.experts_per_token ({self.experts_per_token}) must be <= the "
+                             f"experts of moe.groups_per_token groups")
+        if not (isinstance(self.routed_scale, int | float) and self.routed_scale > 0):
+            raise ValueError(f"moe.routed_scale must be a number > 0, got {self.routed_scale!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,8 @@ from tfx.nn.norms import make_norm
 from tfx.nn.relative_bias import RelativePositionBias
 from tfx.ops.context_parallel import split_sequence
 from tfx.ops.kv_cache import CacheStep, LayerKV
-from tfx.ops.sparse import SlidingWindow, SparsitySpec, parse_spec
+from tfx.ops.masks import combine_masks
+from tfx.ops.sparse import SlidingWindow, parse_spec
 
 __all__ = ["Embeddings", "Stack"]
 
@@ -98,14 +99,16 @@ class Stack(nnx.Module):
         c, kinds = config, dtypes(config)
         self.causal = causal
         layer = RematBlock if c.compute.remat else Block
-        self.sliding_window = c.attention.sliding_window
+        count = c.num_layers if num_layers is None else num_layers
+        # Each layer's window (None: full attention), c.layer_type's "sliding" layers.
+        self.windows = tuple(c.attention.sliding_window if c.layer_type(i) == "sliding"
+                             else None for i in range(count))
         pattern = c.attention.pattern
         self.attention_pattern = None if pattern is None else parse_spec(pattern)
         self.relative_bias = (RelativePositionBias(
             c.num_heads, bidirectional=not causal, num_buckets=c.t5.num_buckets,
             max_distance=c.t5.max_distance, param_dtype=kinds["param_dtype"], rngs=rngs)
             if c.position == "t5" else None)
-        count = c.num_layers if num_layers is None else num_layers
         self.scan_layers = c.compute.scan_layers
         if c.compute.scan_layers:
             # One Block whose weights carry a leading [num_layers] axis, compiled once.
@@ -114,13 +117,13 @@ class Stack(nnx.Module):
                       transform_metadata={nnx.PARTITION_NAME: axes.LAYERS})
             def stacked(rngs):
                 return layer(c, cross_attention=cross_attention, moe=c.is_moe_layer(0),
-                             rngs=rngs)
+                             layer_type=c.layer_type(0), rngs=rngs)
 
             self.layers = stacked(rngs)
         else:
             self.layers = nnx.List([
-                layer(c, cross_attention=cross_attention, moe=c.is_moe_layer(i), rngs=rngs)
-                for i in range(count)])
+                layer(c, cross_attention=cross_attention, moe=c.is_moe_layer(i),
+                      layer_type=c.layer_type(i), rngs=rngs) for i in range(count)])
         self.final_norm = (make_norm(c.norm.kind, c.d_model, epsilon=c.norm.eps, rngs=rngs,
                                      **kinds) if c.norm.pre_norm else None)
         self.dropout = make_dropout(c.dropout, rngs=rngs)
@@ -158,7 +161,6 @@ class Stack(nnx.Module):
             raise ValueError("a model with an attention_pattern cannot decode with a KV cache or "
                              "Transformer-XL memory, which hold no sparse pattern: call it on "
                              "whole sequences (generation needs a dense or sliding-window model)")
-        sparsity, is_causal = self._visibility(cached=cache is not None)
         x = split_sequence(x)  # under a mesh with a "sequence" axis: context parallelism
         key_positions = positions
         if cache_step is not None:
@@ -166,12 +168,15 @@ class Stack(nnx.Module):
         bias = None
         if self.relative_bias is not None:
             bias = self.relative_bias(positions, key_positions)
-        args = dict(mask=mask, bias=bias, is_causal=is_causal, sparsity=sparsity,
-                    positions=positions, query_segment_ids=segment_ids,
-                    context_mask=context_mask, context_segment_ids=context_segment_ids)
+        shared = dict(bias=bias, positions=positions, query_segment_ids=segment_ids,
+                      context_mask=context_mask, context_segment_ids=context_segment_ids)
+        visibility = {window: self._visibility(mask, window, cache is not None, cache_step)
+                      for window in set(self.windows)}
         per_layer_context = isinstance(context, LayerKV | tuple)
         kind = SegmentLayer if cache_step is None else (lambda kv: KVLayer(kv, cache_step))
         if self.scan_layers:
+            args = shared | visibility[self.windows[0]]  # scanned layers are all alike
+
             def run(h, block, layer_cache, layer_context):  # one layer: the scan's body
                 out = block(h, context=layer_context, token_mask=token_mask,
                             cache=None if layer_cache is None else kind(layer_cache), **args)
@@ -184,10 +189,11 @@ class Stack(nnx.Module):
             caches = [None] * len(self.layers) if cache is None else cache
             contexts = context if per_layer_context else [context] * len(self.layers)
             updated = []
-            for layer, layer_cache, layer_context in zip(self.layers, caches, contexts,
-                                                         strict=True):
+            for layer, layer_cache, layer_context, window in zip(
+                    self.layers, caches, contexts, self.windows, strict=True):
                 x = layer(x, context=layer_context, token_mask=token_mask,
-                          cache=None if layer_cache is None else kind(layer_cache), **args)
+                          cache=None if layer_cache is None else kind(layer_cache),
+                          **shared, **visibility[window])
                 if layer_cache is not None:
                     x, layer_cache = x
                 updated.append(layer_cache)
@@ -196,15 +202,24 @@ class Stack(nnx.Module):
             x = self.dropout(self.final_norm(x))
         return x if cache is None else (x, cache)
 
-    def _visibility(self, *, cached: bool) -> tuple[SparsitySpec | None, bool]:
-        """(sparsity, is_causal) of the self-attention. With a cache, its own mask says
-        everything (a KV cache's positions; a Transformer-XL memory's mask over [memory |
-        segment])."""
-        if cached or not self.causal:
-            return None, False if cached else self.causal
-        if self.sliding_window is not None:  # a sliding window is itself causal (Mistral)
-            return SlidingWindow(self.sliding_window), False
-        return self.attention_pattern, True  # None, or intersected with the causal mask
+    def _visibility(self, mask: jax.Array | None, window: int | None, cached: bool,
+                    cache_step: CacheStep | None) -> dict:
+        """The mask, sparsity and is_causal of a self-attention whose layer sees the last
+        `window` tokens (None: all). With a cache, its own mask says the rest (a KV cache's
+        positions; a Transformer-XL memory's mask over [memory | segment]); a window narrower
+        than what the KV cache keeps (a model mixing sliding and full layers) is added to it."""
+        if cached:
+            if window is not None and cache_step is not None:
+                q = cache_step.query_positions[:, None, :, None]
+                mask = combine_masks(mask, q - cache_step.key_positions[:, None, None, :]
+                                     < window)
+            return dict(mask=mask, sparsity=None, is_causal=False)
+        if not self.causal:
+            return dict(mask=mask, sparsity=None, is_causal=False)
+        if window is not None:  # a sliding window is itself causal (Mistral)
+            return dict(mask=mask, sparsity=SlidingWindow(window), is_causal=False)
+        # None, or a pattern intersected with the causal mask
+        return dict(mask=mask, sparsity=self.attention_pattern, is_causal=True)
 
     def cross_keys_values(self, context: jax.Array) -> LayerKV | tuple[LayerKV, ...]:
         """Every layer's cross-attention keys and values of an encoder output

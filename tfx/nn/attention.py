@@ -19,7 +19,9 @@ from tfx.ops.attention import IMPLEMENTATIONS
 from tfx.ops.kv_cache import LayerKV
 from tfx.ops.sparse import SparsitySpec
 
-__all__ = ["Attention"]
+__all__ = ["QK_NORMS", "Attention", "QKNorm"]
+
+QK_NORMS = ("per_head", "across_heads")
 
 
 class Attention(nnx.Module):
@@ -35,7 +37,16 @@ class Attention(nnx.Module):
       head_dim: features per head (default d_model // num_heads).
       kv_features: width of the cross-attention context (default d_model).
       use_bias: biases on the four projections (BERT, GPT-2: True; LLaMA, T5: False).
+      qkv_bias: biases on the query, key and value projections only (default use_bias; Qwen 2:
+        True with use_bias False).
+      out_bias: a bias on the output projection (default use_bias; Qwen 3: True with
+        use_bias False, its MLP having none).
+      qk_norm: RMS-normalise queries and keys before positions are applied: "per_head" (each
+        head's head_dim features: Qwen 3, Gemma 3), "across_heads" (all heads' features at
+        once: OLMo 2) or None.
+      norm_eps: epsilon of those norms.
       scale: score multiplier (default 1/sqrt(head_dim); T5 uses 1.0).
+      softcap: scores become softcap · tanh(scores / softcap) (Gemma 2), or None.
       position: how this attention encodes positions, a `tfx.nn.positions.Position` (Rotary,
         ALiBi, TransformerXL, ...); None: none (NoPE).
       implementation: an implementation of `tfx.ops.dot_product_attention` ("reference",
@@ -46,7 +57,10 @@ class Attention(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, *, num_kv_heads: int | None = None,
                  head_dim: int | None = None, kv_features: int | None = None,
-                 use_bias: bool = False, scale: float | None = None,
+                 use_bias: bool = False, qkv_bias: bool | None = None,
+                 out_bias: bool | None = None,
+                 qk_norm: str | None = None, norm_eps: float = 1e-6,
+                 scale: float | None = None, softcap: float | None = None,
                  position: Position | None = None, implementation: str | None = None,
                  block_sizes: tuple[int, int] | None = None, dtype=None,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
@@ -65,12 +79,14 @@ class Attention(nnx.Module):
                 f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
         self.d_model, self.num_heads = d_model, num_heads
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.scale, self.implementation, self.block_sizes = scale, implementation, block_sizes
+        self.scale, self.softcap = scale, softcap
+        self.implementation, self.block_sizes = implementation, block_sizes
         self.position = Position() if position is None else position
         kv_features = d_model if kv_features is None else kv_features
+        qkv_bias = use_bias if qkv_bias is None else qkv_bias
 
-        def linear(features_in, features_out, axes_in, axes_out, bias_axes):
-            return nnx.Linear(features_in, features_out, use_bias=use_bias, dtype=dtype,
+        def linear(features_in, features_out, axes_in, axes_out, bias_axes, bias=qkv_bias):
+            return nnx.Linear(features_in, features_out, use_bias=bias, dtype=dtype,
                               param_dtype=param_dtype, rngs=rngs,
                               kernel_metadata=axes.metadata(axes_in, axes_out),
                               bias_metadata=axes.metadata(bias_axes) if bias_axes else {})
@@ -80,7 +96,12 @@ class Attention(nnx.Module):
                           axes.HEADS)
         self.value = linear(kv_features, num_kv_heads * head_dim, axes.EMBED, axes.HEADS,
                             axes.HEADS)
-        self.out = linear(num_heads * head_dim, d_model, axes.HEADS, axes.EMBED, None)
+        self.out = linear(num_heads * head_dim, d_model, axes.HEADS, axes.EMBED, None,
+                          use_bias if out_bias is None else out_bias)
+        self.query_norm, self.key_norm = (
+            (None, None) if qk_norm is None else
+            (QKNorm(qk_norm, num_heads, head_dim, norm_eps, dtype, param_dtype, rngs),
+             QKNorm(qk_norm, num_kv_heads, head_dim, norm_eps, dtype, param_dtype, rngs)))
 
     def __call__(self, x: jax.Array, context: jax.Array | LayerKV | None = None, *,
                  positions: jax.Array | None = None, key_positions: jax.Array | None = None,
@@ -115,7 +136,7 @@ class Attention(nnx.Module):
         if x.ndim != 3:
             raise ValueError(f"x must have 3 dims [batch, q_len, d_model], got shape {x.shape}")
         source = cache_for(cache, context)
-        query = self._heads(self.query(x), self.num_heads)
+        query = self._heads(self.query(x), self.num_heads, self.query_norm)
         inputs = source.sources(x, context)
         key, value = (None, None) if inputs is None else self._project(inputs)
         positions = source.query_positions(positions, x.shape[1])
@@ -129,7 +150,8 @@ class Attention(nnx.Module):
         keys = self.attended(keys.with_bias(position_bias))
         out = dot_product_attention(
             query, keys.key, keys.value, bias=keys.bias, mask=keys.mask,
-            is_causal=keys.is_causal, scale=self.scale, sparsity=keys.sparsity,
+            is_causal=keys.is_causal, scale=self.scale, softcap=self.softcap,
+            sparsity=keys.sparsity,
             query_segment_ids=keys.query_segment_ids, key_segment_ids=keys.key_segment_ids,
             implementation=self.implementation, block_sizes=self.block_sizes,
             heads_major=keys.heads_major)
@@ -149,9 +171,29 @@ class Attention(nnx.Module):
 
     def _project(self, source: jax.Array) -> tuple[jax.Array, jax.Array]:
         """[batch, kv_len, features] -> keys and values [batch, kv_len, num_kv_heads, head_dim]."""
-        return (self._heads(self.key(source), self.num_kv_heads),
+        return (self._heads(self.key(source), self.num_kv_heads, self.key_norm),
                 self._heads(self.value(source), self.num_kv_heads))
 
-    def _heads(self, x: jax.Array, num_heads: int) -> jax.Array:
-        """[batch, seq, num_heads * head_dim] -> [batch, seq, num_heads, head_dim]."""
+    def _heads(self, x: jax.Array, num_heads: int, norm: QKNorm | None = None) -> jax.Array:
+        """[batch, seq, num_heads * head_dim] -> [batch, seq, num_heads, head_dim], normalised
+        by `norm` when given."""
+        x = x if norm is None else norm(x)
         return x.reshape(*x.shape[:2], num_heads, self.head_dim)
+
+
+class QKNorm(nnx.Module):
+    """RMSNorm of projected queries or keys [batch, seq, heads · head_dim]: over each head's
+    head_dim features ("per_head", one scale [head_dim] shared by the heads) or over all
+    features at once ("across_heads", a scale [heads · head_dim])."""
+
+    def __init__(self, kind: str, num_heads: int, head_dim: int, eps: float, dtype, param_dtype,
+                 rngs: nnx.Rngs):
+        if kind not in QK_NORMS:
+            raise ValueError(f"qk_norm must be one of {QK_NORMS} or None, got {kind!r}")
+        self.width = head_dim if kind == "per_head" else num_heads * head_dim
+        self.norm = nnx.RMSNorm(self.width, epsilon=eps, dtype=dtype, param_dtype=param_dtype,
+                                rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        groups = x.reshape(*x.shape[:-1], -1, self.width)
+        return self.norm(groups).reshape(x.shape)
