@@ -15,7 +15,7 @@ from flax import nnx
 
 from tfx.models import Decoder, DecoderConfig
 from tfx.models.block import Block
-from tfx.nn import Attention
+from tfx.nn import Attention, LatentAttention
 from tfx.nn.mlp import MLP
 from tfx.nn.moe import MoE
 from tfx.ops import dot_product_attention
@@ -167,6 +167,25 @@ def test_mixed_layers_decode_with_a_cache_like_the_full_sequence():
     chex.assert_trees_all_close(got[1, :7], full[1, :7], atol=2e-5)
 
 
+LATENT = dict(latent={"q_lora_rank": 12, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                      "qk_rope_head_dim": 4, "v_head_dim": 6},
+              attention={"num_kv_heads": None}, rope={"layout": "interleaved"})
+
+
+def test_latent_attention_decoder_decodes_with_its_latent_cache():
+    model = Decoder(_config(**LATENT), rngs=nnx.Rngs(0))
+    assert all(isinstance(layer.attention, LatentAttention) for layer in model.stack.layers)
+    ids = jax.random.randint(jax.random.key(5), (2, SEQ), 0, 50)
+    cache = model.init_cache(2, 16)
+    assert cache.bytes_per_token == 2 * (16 + 4) * 4  # two layers of latent + rotary key
+    step = nnx.jit(lambda m, i, c: m(i, cache=c))
+    outs = []
+    for start, stop in [(0, 4)] + [(t, t + 1) for t in range(4, SEQ)]:
+        logits, cache = step(model, ids[:, start:stop], cache)
+        outs.append(logits)
+    chex.assert_trees_all_close(jnp.concatenate(outs, axis=1), model(ids), atol=2e-5)
+
+
 def test_dense_first_layers():
     config = _config(num_layers=3, moe={"num_experts": 4, "experts_per_token": 2,
                                         "first_dense": 2, "d_ff": 16})
@@ -193,6 +212,8 @@ def test_dense_first_layers():
     (dict(moe={"first_dense": 1}, compute={"scan_layers": True}), "first_dense"),
     (dict(attention={"sliding_window": 3, "layer_types": ("sliding", "full")},
           compute={"scan_layers": True}), "mixes"),
+    (dict(LATENT, position="alibi", rope=None), "position='rope'"),
+    (dict(LATENT, attention={"num_kv_heads": 2}), "attention.num_kv_heads"),
 ])
 def test_bad_part_settings_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):

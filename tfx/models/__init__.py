@@ -19,6 +19,7 @@ if TYPE_CHECKING:
         EmbeddingsConfig,
         EncoderConfig,
         EncoderDecoderConfig,
+        LatentConfig,
         MlpConfig,
         MoeConfig,
         NormConfig,
@@ -35,14 +36,14 @@ if TYPE_CHECKING:
     from tfx.models.presets import PRESETS, create
 
 _CONFIGS = ("AttentionConfig", "ComputeConfig", "DecoderConfig", "EmbeddingsConfig",
-            "EncoderConfig", "EncoderDecoderConfig", "MlpConfig", "MoeConfig", "NormConfig",
-            "RopeConfig", "SpecialTokens", "T5BiasConfig", "TransformerConfig")
+            "EncoderConfig", "EncoderDecoderConfig", "LatentConfig", "MlpConfig", "MoeConfig",
+            "NormConfig", "RopeConfig", "SpecialTokens", "T5BiasConfig", "TransformerConfig")
 
 __all__ = ["PRESETS", "AttentionConfig", "ComputeConfig", "Decoder", "DecoderConfig",
            "EmbeddingsConfig", "Encoder", "EncoderConfig", "EncoderDecoder", "EncoderDecoderConfig",
-           "MlpConfig", "MoeConfig", "NormConfig", "RopeConfig", "SpecialTokens", "T5BiasConfig",
-           "TransformerConfig", "aux_loss", "checked", "create", "moe_losses", "pure",
-           "token_types_from_separators"]
+           "LatentConfig", "MlpConfig", "MoeConfig", "NormConfig", "RopeConfig", "SpecialTokens",
+           "T5BiasConfig", "TransformerConfig", "aux_loss", "checked", "create", "moe_losses",
+           "pure", "token_types_from_separators"]
 
 __getattr__, __dir__ = lazy_exports(__name__, {
     **{name: f"tfx.models.config:{name}" for name in _CONFIGS},

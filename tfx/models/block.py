@@ -3,6 +3,8 @@ pre- or post-normalisation and residual dropout."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -11,6 +13,7 @@ from tfx.models.config import TransformerConfig, compute_dtype
 from tfx.nn.attention import Attention
 from tfx.nn.caches import NoCache
 from tfx.nn.dropout import make_dropout
+from tfx.nn.latent_attention import LatentAttention
 from tfx.nn.mlp import MLP
 from tfx.nn.moe import MoE
 from tfx.nn.norms import make_norm
@@ -63,7 +66,13 @@ class Block(nnx.Module):
 
         self.pre_norm, self.parallel_mlp = c.norm.pre_norm, c.mlp.parallel
         inputs = c.norm.inputs or not c.norm.pre_norm
-        self.attention = attention(position=_position(c, layer_type, rngs))
+        position = _position(c, layer_type, rngs)
+        latent = getattr(c, "latent", None)  # decoders only
+        self.attention = (attention(position=position) if latent is None else LatentAttention(
+            c.d_model, c.num_heads, **dataclasses.asdict(latent), use_bias=c.use_bias,
+            scale=c.attention.scale, position=position, norm_eps=c.norm.eps,
+            softcap=c.attention.softcap, implementation=c.attention.implementation,
+            rngs=rngs, **kinds))
         self.attention_norm = norm(inputs)
         self.attention_output_norm = norm(c.norm.outputs)
         self.cross_attention = attention() if cross_attention else None

@@ -18,6 +18,7 @@ from tfx.models.parts import (
     AttentionConfig,
     ComputeConfig,
     EmbeddingsConfig,
+    LatentConfig,
     MlpConfig,
     MoeConfig,
     NormConfig,
@@ -32,9 +33,9 @@ if TYPE_CHECKING:
 
 __all__ = ["COMPUTE_DTYPES", "OPTIONAL_SUBCONFIGS", "POSITIONS", "SUBCONFIGS",
            "AttentionConfig", "ComputeConfig", "DecoderConfig", "EmbeddingsConfig",
-           "EncoderConfig", "EncoderDecoderConfig", "MlpConfig", "MoeConfig", "NormConfig",
-           "RopeConfig", "SpecialTokens", "T5BiasConfig", "TransformerConfig", "compute_dtype",
-           "field_value", "nested"]
+           "EncoderConfig", "EncoderDecoderConfig", "LatentConfig", "MlpConfig", "MoeConfig",
+           "NormConfig", "RopeConfig", "SpecialTokens", "T5BiasConfig", "TransformerConfig",
+           "compute_dtype", "field_value", "nested"]
 
 # How a model knows where tokens are: added to the embeddings ("learned", "sinusoidal"), rotated
 # into queries and keys ("rope"), added to the scores ("alibi", "t5", and Transformer-XL's
@@ -46,9 +47,9 @@ POSITIONS = get_args(Position)
 SUBCONFIGS = {"rope": RopeConfig, "t5": T5BiasConfig, "attention": AttentionConfig,
               "mlp": MlpConfig, "norm": NormConfig, "moe": MoeConfig,
               "embeddings": EmbeddingsConfig, "compute": ComputeConfig,
-              "special_tokens": SpecialTokens}
+              "special_tokens": SpecialTokens, "latent": LatentConfig}
 # The sub-configs that may be None (absent: not used by the model).
-OPTIONAL_SUBCONFIGS = ("rope", "t5", "moe")
+OPTIONAL_SUBCONFIGS = ("rope", "t5", "moe", "latent")
 # Sub-configs that exist only for one position kind: filled with their defaults when that kind
 # is chosen without them, refused with any other.
 _POSITION_PARTS = {"rope": "rope", "t5": "t5"}
@@ -217,12 +218,31 @@ class DecoderConfig(TransformerConfig):
     logit_softcap: float | None = None
     """Logits become logit_softcap · tanh(logits / logit_softcap) (Gemma 2's
     final_logit_softcapping); None: uncapped."""
+    latent: LatentConfig | None = None
+    """Multi-head latent attention (DeepSeek-V2/V3) in every layer; None: attention with
+    keys and values per KV head."""
 
     def __post_init__(self):
         super().__post_init__()
         cap = self.logit_softcap
         if cap is not None and not (isinstance(cap, int | float) and 0 < cap < float("inf")):
             raise ValueError(f"logit_softcap must be a finite number > 0 or None, got {cap!r}")
+        if self.latent is not None:
+            self._check_latent()
+
+    def _check_latent(self):
+        """What latent attention replaces or cannot combine with."""
+        if self.position != "rope" or self.rope.fraction != 1.0:
+            raise ValueError(f"latent attention rotates its qk_rope_head_dim features: it needs "
+                             f"position='rope' with rope.fraction=1.0, got {self.position!r}")
+        taken = {"attention.num_kv_heads": self.attention.num_kv_heads,
+                 "attention.head_dim": self.attention.head_dim,
+                 "attention.qkv_bias": self.attention.qkv_bias,
+                 "attention.qk_norm": self.attention.qk_norm}
+        for name, value in taken.items():
+            if value is not None:
+                raise ValueError(f"{name} has no meaning with latent attention (the latent "
+                                 f"sub-config sizes the heads): set it to None, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,13 @@ from tfx.models.stack import Embeddings, Stack
 from tfx.nn import axes
 from tfx.nn.embeddings import TokenEmbedding
 from tfx.ops.activations import softcap
-from tfx.ops.kv_cache import KVCache, SegmentMemory, init_cache, init_memory
+from tfx.ops.kv_cache import (
+    KVCache,
+    SegmentMemory,
+    init_cache,
+    init_latent_cache,
+    init_memory,
+)
 from tfx.ops.masks import padding_mask
 
 __all__ = ["Decoder"]
@@ -143,11 +149,16 @@ class Decoder(nnx.Module):
                                d_model=c.d_model, dtype=dtype, stacked=c.compute.scan_layers)
         # A ring buffer of the window when every layer slides; full layers need every key.
         sliding = all(c.layer_type(i) == "sliding" for i in range(c.num_layers))
-        cache = init_cache(num_layers=c.num_layers, batch=batch, max_len=max_len + g,
-                           num_kv_heads=c.kv_heads,
-                           head_dim=c.attention.head_dim or c.d_model // c.num_heads,
-                           dtype=dtype, window=c.attention.sliding_window if sliding else None,
-                           stacked=c.compute.scan_layers)
+        layout = dict(num_layers=c.num_layers, batch=batch, max_len=max_len + g, dtype=dtype,
+                      window=c.attention.sliding_window if sliding else None,
+                      stacked=c.compute.scan_layers)
+        if c.latent is not None:  # the compressed latent and the rotary key
+            cache = init_latent_cache(kv_lora_rank=c.latent.kv_lora_rank,
+                                      qk_rope_head_dim=c.latent.qk_rope_head_dim, **layout)
+        else:
+            cache = init_cache(num_kv_heads=c.kv_heads,
+                               head_dim=c.attention.head_dim or c.d_model // c.num_heads,
+                               **layout)
         if g:
             _, cache = self._cached(jnp.zeros((batch, 0), jnp.int32), jnp.ones((batch, g), bool),
                                     cache, leading=self.embeddings.leading(batch))

@@ -19,7 +19,8 @@ else:  # a runtime annotation that names no jax type (tyro reads it as a fixed f
     RopeScaling = object
 
 __all__ = ["COMPUTE_DTYPES", "Activation", "AttentionConfig", "AttentionImplementation",
-           "ComputeConfig", "Dtype", "EmbeddingsConfig", "LayerType", "MlpConfig", "MoeConfig",
+           "ComputeConfig", "Dtype", "EmbeddingsConfig", "LatentConfig", "LayerType", "MlpConfig",
+           "MoeConfig",
            "MoeDispatch", "MoePolicy", "NormConfig", "NormKind", "QKNorm", "RopeConfig",
            "RopeLayout", "SpecialTokens", "T5BiasConfig"]
 
@@ -177,6 +178,31 @@ class AttentionConfig:
             parse_spec(self.pattern)
         except ValueError as e:
             raise ValueError(f"attention.pattern: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LatentConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, `tfx.nn.LatentAttention`) in place of
+    attention with full keys and values: queries and per-head keys/values from low-rank
+    projections, and a KV cache of the compressed latent plus one rotary key per token.
+    The field names are Hugging Face's."""
+
+    q_lora_rank: int | None = None
+    """Width of the compressed query; None: a plain query projection (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int = 512
+    """Width of the compressed latent that the cache stores."""
+    qk_nope_head_dim: int = 128
+    """Query/key features per head without position."""
+    qk_rope_head_dim: int = 64
+    """Rotary query/key features per head (the key's shared by the heads)."""
+    v_head_dim: int = 128
+    """Value features per head."""
+
+    def __post_init__(self):
+        if self.q_lora_rank is not None:
+            positive_int("latent.q_lora_rank", self.q_lora_rank)
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            positive_int(f"latent.{name}", getattr(self, name))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
