@@ -6,6 +6,7 @@ a clear message before any XLA work, never with a raw XLA error or a silent broa
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import jax.numpy as jnp
@@ -63,6 +64,14 @@ def positive_float(name: str, value) -> float:
     if not value > 0:
         raise ValueError(f"{name} must be > 0, got {value}")
     return float(value)
+
+
+def finite_positive_float(name: str, value) -> float:
+    """Require a finite real number > 0 (not inf, not nan); returns it as a float."""
+    value = positive_float(name, value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
 
 
 def broadcastable(name: str, shape: tuple[int, ...], target: tuple[int, ...], axes: str) -> None:

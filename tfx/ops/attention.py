@@ -23,7 +23,13 @@ from tfx.ops.backends import (
     select_attention,
 )
 from tfx.ops.block_plan import block_plan
-from tfx.ops.blocked_attention import BLOCK_K, BLOCK_Q, ScoreInputs, blocked_attention
+from tfx.ops.blocked_attention import (
+    BLOCK_K,
+    BLOCK_Q,
+    ScoreInputs,
+    blocked_attention,
+    soft_cap,
+)
 from tfx.ops.context_parallel import SEQUENCE_AXIS, context_parallel_attention
 from tfx.ops.gpu_attention import cudnn_attention, pallas_gpu_attention
 from tfx.ops.masks import combine_masks, segment_mask
@@ -47,8 +53,8 @@ _MASKED_LOGIT = float(np.finfo(np.float32).min)
 
 @functools.partial(
     jax.jit,
-    static_argnames=("is_causal", "scale", "sparsity", "implementation", "block_sizes",
-                     "heads_major"),
+    static_argnames=("is_causal", "scale", "softcap", "sparsity", "implementation",
+                     "block_sizes", "heads_major"),
 )
 def dot_product_attention(
     query: jax.Array,
@@ -59,6 +65,7 @@ def dot_product_attention(
     mask: jax.Array | None = None,
     is_causal: bool = False,
     scale: float | None = None,
+    softcap: float | None = None,
     sparsity: SparsitySpec | None = None,
     query_segment_ids: jax.Array | None = None,
     key_segment_ids: jax.Array | None = None,
@@ -66,7 +73,7 @@ def dot_product_attention(
     block_sizes: tuple[int, int] | None = None,
     heads_major: bool = False,
 ) -> jax.Array:
-    """softmax(query·keyᵀ·scale + bias, masked) · value, per head.
+    """softmax(cap(query·keyᵀ·scale) + bias, masked) · value, per head.
 
     Args:
       query: [batch, q_len, num_heads, head_dim].
@@ -83,6 +90,10 @@ def dot_product_attention(
         For cached decoding, where queries sit at the end of the keys, pass
         `tfx.ops.masks.causal_mask(query_positions, key_positions)` as `mask` instead.
       scale: multiplier of the scores; default 1/sqrt(head_dim).
+      softcap: None (no cap), or a finite float > 0: logit soft-capping (Gemma 2), which maps
+        each scaled score s to softcap·tanh(s / softcap) before the bias and the mask apply
+        (the order of Hugging Face's Gemma 2). Static, like scale. Every implementation but
+        "cudnn" and "pallas_gpu" takes it; with it, implementation=None never picks those two.
       sparsity: optional `tfx.ops.sparse` spec, top-left aligned like `is_causal`.
       query_segment_ids: optional int [batch, q_len] for packed sequences: a query sees only
         keys with the same segment id. Unlike an equivalent `mask`, it costs O(q_len + kv_len)
@@ -116,18 +127,19 @@ def dot_product_attention(
         if is_causal or sparsity is not None or query_segment_ids is not None:
             raise ValueError("heads-major keys take visibility from mask and bias only: "
                              "is_causal, sparsity and segment ids must be unset")
-        return cached_attention(query, key, value, bias=bias, mask=mask, scale=scale)
+        return cached_attention(query, key, value, bias=bias, mask=mask, scale=scale,
+                                softcap=softcap)
     cross_segments = key_segment_ids is not None
     if key_segment_ids is None:
         key_segment_ids = query_segment_ids
-    _validate(query, key, value, bias, mask, is_causal, scale, sparsity)
+    _validate(query, key, value, bias, mask, is_causal, scale, softcap, sparsity)
     block_q, block_k = _block_sizes(block_sizes, query.shape[1], key.shape[1])
     _validate_segments(query_segment_ids, key_segment_ids, query.shape[:2], key.shape[:2])
     kv_len, value_dim = key.shape[1], value.shape[3]
     spec = static_spec(is_causal, sparsity)
     mesh = jax.sharding.get_abstract_mesh()
     case = _case(query, key, value, bias, mask, query_segment_ids is not None, cross_segments,
-                 spec, mesh)
+                 spec, mesh, has_softcap=softcap is not None)
     platform = current_platform()
     implementation = _resolve_implementation(implementation, platform, case)
     if scale is None:
@@ -136,13 +148,15 @@ def dot_product_attention(
         return jnp.zeros((*query.shape[:3], value_dim), value.dtype)
     segments = (query_segment_ids, key_segment_ids)
     return _run_kernel(implementation, platform, query, key, value, bias, mask, segments, spec,
-                       scale, mesh, (block_q, block_k))
+                       (scale, softcap), mesh, (block_q, block_k))
 
 
 def _run_kernel(implementation: str, platform: str, query, key, value, bias, mask, segments,
-                spec, scale: float, mesh, block_sizes: tuple[int, int]) -> jax.Array:
+                spec, scores: tuple[float, float | None], mesh,
+                block_sizes: tuple[int, int]) -> jax.Array:
     """Run the selected kernel on validated arguments; segments: (query ids, key ids), either
-    None."""
+    None; scores: (scale, softcap or None), how q·k becomes a score."""
+    scale, softcap = scores
     (batch, q_len), kv_len = query.shape[:2], key.shape[1]
     query_segment_ids, key_segment_ids = segments
     # CPU runs the Pallas kernels only through the interpreter.
@@ -157,24 +171,25 @@ def _run_kernel(implementation: str, platform: str, query, key, value, bias, mas
         if mask is not None:  # a padding mask: padded keys join no query's segment
             ids = key_mask_as_segments(mask, ids, batch, q_len, kv_len)
         if implementation == "splash":
-            return splash_attention(query, key, value, ids, spec, scale, interpret=interpret)
+            return splash_attention(query, key, value, ids, spec, scale, interpret=interpret,
+                                    softcap=softcap)
         query_ids, key_ids = ids or (None, None)
         return context_parallel_attention(query, key, value, mesh=mesh, spec=spec, scale=scale,
                                           query_segment_ids=query_ids, key_segment_ids=key_ids,
-                                          block_sizes=block_sizes)
+                                          block_sizes=block_sizes, softcap=softcap)
     if implementation == "blocked":
-        return _blocked(query, key, value, bias, mask, segments, spec, scale, *block_sizes)
+        return _blocked(query, key, value, bias, mask, segments, spec, scores, *block_sizes)
     if query_segment_ids is not None:
         mask = combine_masks(mask, segment_mask(query_segment_ids, key_segment_ids))
     if spec is not None:
         mask = combine_masks(mask, jnp.asarray(spec.dense(q_len, kv_len)[None, None]))
-    return _reference_attention(query, key, value, bias, mask, scale)
+    return _reference_attention(query, key, value, bias, mask, scores)
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap"))
 def cached_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
                      bias: jax.Array | None = None, mask: jax.Array | None = None,
-                     scale: float | None = None) -> jax.Array:
+                     scale: float | None = None, softcap: float | None = None) -> jax.Array:
     """Attention of a few new queries over a KV cache stored heads-major (`tfx.ops.kv_cache`).
 
     The same maths as `dot_product_attention(implementation="reference")`; only the key/value
@@ -189,6 +204,7 @@ def cached_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
       bias: as in `dot_product_attention` (a -inf bias hides its key).
       mask: as in `dot_product_attention`.
       scale: as in `dot_product_attention`.
+      softcap: as in `dot_product_attention` (logit soft-capping, Gemma 2).
     Returns:
       [batch, q_len, num_heads, value_dim] in the dtype of value; zeros for rows that see no
       key, and for kv_len = 0.
@@ -208,11 +224,13 @@ def cached_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
     if mask is not None:
         _checks.boolean("mask", mask, max_ndim=4)
         _checks.broadcastable("mask", mask.shape, scores_shape, axes)
+    _check_scores(scale, softcap)
     if scale is None:
         scale = 1.0 / float(np.sqrt(head_dim))
     if _nothing_to_attend(query.shape, key.shape[2], value.shape[3]):
         return jnp.zeros((*query.shape[:3], value.shape[3]), value.dtype)
-    return _reference_attention(query, key, value, bias, mask, scale, kv_layout="bksd")
+    return _reference_attention(query, key, value, bias, mask, (scale, softcap),
+                                kv_layout="bksd")
 
 
 def _check_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -227,7 +245,7 @@ def _check_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
 
 
 def _case(query, key, value, bias, mask, has_segments: bool, cross_segments: bool, spec,
-          mesh: jax.sharding.AbstractMesh) -> AttentionCase:
+          mesh: jax.sharding.AbstractMesh, *, has_softcap: bool) -> AttentionCase:
     """The static facts of a call that `tfx.ops.backends` selects its kernel by."""
     return AttentionCase(
         dtype=query.dtype, q_len=query.shape[1], kv_len=key.shape[1], num_heads=query.shape[2],
@@ -235,7 +253,7 @@ def _case(query, key, value, bias, mask, has_segments: bool, cross_segments: boo
         has_bias=bias is not None, has_mask=mask is not None,
         key_mask=mask is not None and _masks_keys_only(mask.shape),
         has_segments=has_segments, cross_segments=cross_segments, spec=spec,
-        sequence_devices=_sequence_devices(mesh))
+        sequence_devices=_sequence_devices(mesh), has_softcap=has_softcap)
 
 
 def _sequence_devices(mesh: jax.sharding.AbstractMesh) -> int:
@@ -288,8 +306,10 @@ def _block_sizes(block_sizes, q_len: int, kv_len: int) -> tuple[int, int]:
     return min(block_q, q_len), min(block_k, kv_len)
 
 
-def _blocked(query, key, value, bias, mask, segments, spec, scale, block_q, block_k):
-    """Pad to whole tiles, regroup heads, run the blocked kernel, and undo both."""
+def _blocked(query, key, value, bias, mask, segments, spec, scores, block_q, block_k):
+    """Pad to whole tiles, regroup heads, run the blocked kernel, and undo both; scores:
+    (scale, softcap or None)."""
+    scale, softcap = scores
     batch, q_len, num_heads, head_dim = query.shape
     kv_len, num_kv_heads = key.shape[1:3]
     q_pad, k_pad = -q_len % block_q, -kv_len % block_k
@@ -311,6 +331,7 @@ def _blocked(query, key, value, bias, mask, segments, spec, scale, block_q, bloc
     out = blocked_attention(
         grouped_query, key, value, inputs,
         plan=block_plan(spec, q_len, kv_len, block_q, block_k), block_q=block_q, block_k=block_k,
+        softcap=softcap,
     )
     out = out[:, :, :, :q_len].transpose(0, 3, 1, 2, 4)
     return out.reshape(batch, q_len, num_heads, value.shape[-1]).astype(value.dtype)
@@ -331,14 +352,16 @@ def _grouped(x: jax.Array, num_kv_heads: int) -> jax.Array:
     return x.reshape(b, num_kv_heads, h // num_kv_heads, t, s)
 
 
-def _reference_attention(query, key, value, bias, mask, scale, kv_layout="bskd"):
+def _reference_attention(query, key, value, bias, mask, scores, kv_layout="bskd"):
+    """The materialised-scores maths; scores: (scale, softcap or None)."""
+    scale, softcap = scores
     batch, q_len, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[kv_layout.index("k")]
     grouped_query = query.reshape(batch, q_len, num_kv_heads, num_heads // num_kv_heads, head_dim)
     logits = jnp.einsum(
         f"btkgd,{kv_layout}->bkgts", grouped_query, key, preferred_element_type=jnp.float32
     )
-    logits = logits * jnp.float32(scale)
+    logits, _ = soft_cap(logits * jnp.float32(scale), softcap)  # Gemma 2: before bias and mask
     mask = None if mask is None else _grouped(mask, num_kv_heads)
     if bias is not None:
         bias = _grouped(bias, num_kv_heads)
@@ -374,7 +397,15 @@ def _validate_segments(query_segments, key_segments, query_batch_len, key_batch_
             raise ValueError(f"{name} of shape {tuple(ids.shape)} must be {axes} = {tuple(shape)}")
 
 
-def _validate(query, key, value, bias, mask, is_causal, scale, sparsity) -> None:
+def _check_scores(scale, softcap) -> None:
+    """scale: None or a float > 0; softcap: None or a finite float > 0."""
+    if scale is not None:
+        _checks.positive_float("scale", scale)
+    if softcap is not None:
+        _checks.finite_positive_float("softcap", softcap)
+
+
+def _validate(query, key, value, bias, mask, is_causal, scale, softcap, sparsity) -> None:
     _checks.floating("query", query, ndim=4, layout="[batch, q_len, num_heads, head_dim]")
     _checks.floating("key", key, ndim=4, layout="[batch, kv_len, num_kv_heads, head_dim]")
     _checks.floating("value", value, ndim=4, layout="[batch, kv_len, num_kv_heads, value_dim]")
@@ -405,8 +436,7 @@ def _validate(query, key, value, bias, mask, is_causal, scale, sparsity) -> None
         _checks.broadcastable("mask", mask.shape, scores_shape, axes)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    if scale is not None:
-        _checks.positive_float("scale", scale)
+    _check_scores(scale, softcap)
     if sparsity is not None and not isinstance(sparsity, SparsitySpec):
         raise TypeError(
             f"sparsity must be a tfx.ops.sparse spec or None, got {type(sparsity).__name__}"

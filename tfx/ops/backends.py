@@ -11,7 +11,8 @@ one place the running platform is read (tests replace it to fake another).
 Attention: `ATTENTION_PREFERENCE` lists, per platform, the kernels to try in order, and
 `ATTENTION_NEEDS` lists what each kernel needs; the first whose needs all hold runs. tfx's own
 kernels ("reference", "blocked") run everywhere, so every list ends with them. The same needs
-explain why a forced `implementation=` cannot run.
+explain why a forced `implementation=` cannot run. Logit soft-capping (`softcap`) runs on every
+kernel but "cudnn" and "pallas_gpu", so a GPU call with it gets tfx's kernels.
 
 Mixture of experts:
 
@@ -76,7 +77,8 @@ class AttentionCase:
     `cross_segments` says that key segment ids were given apart from the query's, so they may
     differ (the Pallas GPU kernel takes one array for both). `sequence_devices` is the size of
     the "sequence" axis of the mesh the call is traced under (1: none), over which
-    "context_parallel" splits the sequence.
+    "context_parallel" splits the sequence. `has_softcap` says that the scores are soft-capped
+    (`softcap` of `tfx.ops.dot_product_attention`, Gemma 2), which the GPU kernels cannot do.
     """
 
     dtype: np.dtype
@@ -93,6 +95,7 @@ class AttentionCase:
     cross_segments: bool = False
     spec: SparsitySpec | None = None
     sequence_devices: int = 1
+    has_softcap: bool = False
 
 
 # Each need returns None when it holds, else what is missing, phrased to follow "needs".
@@ -193,18 +196,22 @@ def _context_lengths(platform, case):
                 f"(got {case.q_len} and {case.kv_len})")
 
 
+# jax exposes no logit soft-capping for cuDNN's fused attention nor for the Pallas GPU kernel;
+# tfx's kernels, splash (`attn_logits_soft_cap`) and context parallelism (tfx's tiles) cap.
 # On "cpu" the Pallas kernels run in interpret mode: slow, but the same code path, for tests.
 ATTENTION_NEEDS: dict[str, tuple[Need, ...]] = {
     "reference": (),
     "blocked": (),
     "cudnn": (_on("gpu"), _dtype_in("float16", "bfloat16"), _cudnn_head_dim,
               _value_dim_is_head_dim, _without("has_mask", "mask"),
-              _without("has_segments", "segment ids"), _cudnn_spec, _cudnn_bias_lengths),
+              _without("has_segments", "segment ids"), _cudnn_spec, _cudnn_bias_lengths,
+              _without("has_softcap", "softcap")),
     "pallas_gpu": (_on("gpu", "cpu"), _dtype_in("float16", "bfloat16", "float32"),
                    _pallas_gpu_head_dim, _value_dim_is_head_dim, _without("has_bias", "bias"),
                    _without("has_mask", "mask"),
                    _without("cross_segments", "key_segment_ids apart from query_segment_ids"),
-                   _causal_or_none, _self_attention_lengths, _x64_disabled),
+                   _causal_or_none, _self_attention_lengths, _x64_disabled,
+                   _without("has_softcap", "softcap")),
     "splash": (_on("tpu", "cpu"), _dtype_in("float16", "bfloat16", "float32"),
                _without("has_bias", "bias"), _key_mask_only, _splash_lengths),
     "context_parallel": (_sequence_split, _without("has_bias", "bias"), _key_mask_only,

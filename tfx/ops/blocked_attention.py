@@ -8,6 +8,9 @@ dQ, dK, dV (and d bias) in one sweep. Tiles outside the plan cost nothing in eit
 tile that the dynamic mask (a boolean mask or segment ids) leaves empty for the whole batch is
 skipped by a branch.
 
+Logit soft-capping (Gemma 2) caps each score q·k as softcap·tanh(q·k / softcap) before the bias
+and the mask; the backward pass carries dS through the cap with its derivative 1 - tanh².
+
 Arrays inside this module use the grouped, head-major layout the tiles are cut from:
 query [B, K, G, T, D], key [B, K, S, D], value [B, K, S, Dv], bias and mask [b, k, g, t, s]
 with every dim either full or 1 (K = num_kv_heads, G = num_heads // num_kv_heads), segment ids
@@ -26,7 +29,7 @@ import numpy as np
 from tfx.ops.block_plan import BlockPlan
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "NO_KEYS_LOG_SUM_EXP", "ScoreInputs", "blocked_attention",
-           "blocked_attention_backward", "blocked_attention_forward"]
+           "blocked_attention_backward", "blocked_attention_forward", "soft_cap"]
 
 # Default tile sizes (measured with benchmarks/attention.py): tfx.ops.attention's blocked path
 # and the chunk pairs of tfx.ops.context_parallel.
@@ -56,8 +59,24 @@ class ScoreInputs:
     key_segments: jax.Array | None = None
 
 
+def soft_cap(scores: jax.Array, softcap: float | None) -> tuple[jax.Array, jax.Array | None]:
+    """Logit soft-capping (Gemma 2): scores squashed smoothly into (-softcap, softcap).
+
+    Args:
+      scores: float32 scaled scores q·k·scale, any shape, before bias and mask.
+      softcap: a float > 0, or None for no cap.
+    Returns:
+      (softcap·tanh(scores / softcap), its derivative 1 - tanh(scores / softcap)²), both of
+      the shape and dtype of scores; (scores, None) when softcap is None.
+    """
+    if softcap is None:
+        return scores, None
+    tanh = jnp.tanh(scores / jnp.asarray(softcap, scores.dtype))
+    return jnp.asarray(softcap, scores.dtype) * tanh, 1.0 - tanh * tanh
+
+
 def blocked_attention(query, key, value, inputs: ScoreInputs, *, plan: BlockPlan, block_q: int,
-                      block_k: int):
+                      block_k: int, softcap: float | None = None):
     """Attention over padded, grouped arrays following `plan`.
 
     Args:
@@ -66,14 +85,16 @@ def blocked_attention(query, key, value, inputs: ScoreInputs, *, plan: BlockPlan
       key: [B, K, S, D] and value [B, K, S, Dv] with S a multiple of block_k.
       inputs: bias, mask and segment ids, already padded to T and S.
       plan: the static tiles to visit (`tfx.ops.block_plan.block_plan`).
+      softcap: None, or a float > 0 that caps the scaled scores s = q·k at softcap·tanh(s /
+        softcap) before the bias and the mask are applied.
     Returns:
       float32 [B, K, G, T, Dv]; rows with no visible key are zeros.
     """
-    return _Kernel(plan, block_q, block_k).attend(query, key, value, inputs)
+    return _Kernel(plan, block_q, block_k, softcap).attend(query, key, value, inputs)
 
 
 def blocked_attention_forward(query, key, value, inputs: ScoreInputs, *, plan: BlockPlan,
-                              block_q: int, block_k: int):
+                              block_q: int, block_k: int, softcap: float | None = None):
     """`blocked_attention` with its softmax statistics, to merge with other key sets' results.
 
     Args: as `blocked_attention`.
@@ -82,16 +103,18 @@ def blocked_attention_forward(query, key, value, inputs: ScoreInputs, *, plan: B
       key has out 0 and log_sum_exp NO_KEYS_LOG_SUM_EXP. Not differentiable: pair it with
       `blocked_attention_backward`.
     """
-    out, residuals = _Kernel(plan, block_q, block_k).forward(query, key, value, inputs)
+    out, residuals = _Kernel(plan, block_q, block_k, softcap).forward(query, key, value, inputs)
     return out, residuals[-1]
 
 
 def blocked_attention_backward(query, key, value, inputs: ScoreInputs, out, log_sum_exp, d_out,
-                               *, plan: BlockPlan, block_q: int, block_k: int):
+                               *, plan: BlockPlan, block_q: int, block_k: int,
+                               softcap: float | None = None):
     """Gradients of one key set's share of an attention whose rows may span other key sets.
 
     Args:
-      query, key, value, inputs, plan, block_q, block_k: as `blocked_attention_forward`.
+      query, key, value, inputs, plan, block_q, block_k, softcap: as
+        `blocked_attention_forward`.
       out: float32 [B, K, G, T, Dv], the output of the *whole* attention (every key set).
       log_sum_exp: float32 [B, K, G, T], its softmax normaliser over every key set.
       d_out: [B, K, G, T, Dv], the gradient of `out`.
@@ -99,7 +122,7 @@ def blocked_attention_backward(query, key, value, inputs: ScoreInputs, out, log_
       float32 (d_query [B, K, G, T, D], d_key [B, K, S, D], d_value [B, K, S, Dv]) through
       these keys: summed over the key sets they give the full gradients (ring attention).
     """
-    kernel = _Kernel(plan, block_q, block_k)
+    kernel = _Kernel(plan, block_q, block_k, softcap)
     d_query, d_key, d_value, _ = kernel.gradients(
         (query, key, value, inputs, out, log_sum_exp), d_out)
     return d_query, d_key, d_value
@@ -108,8 +131,9 @@ def blocked_attention_backward(query, key, value, inputs: ScoreInputs, out, log_
 class _Kernel:
     """The static configuration of one blocked attention, and its forward and backward sweeps."""
 
-    def __init__(self, plan: BlockPlan, block_q: int, block_k: int):
+    def __init__(self, plan: BlockPlan, block_q: int, block_k: int, softcap: float | None):
         self.plan, self.block_q, self.block_k = plan, block_q, block_k
+        self.softcap = softcap
         self.attend = jax.custom_vjp(self._attend)
         self.attend.defvjp(self.forward, self._backward)
 
@@ -161,19 +185,25 @@ class _Kernel:
 
     def _scores(self, q_tile, k_tile, inputs: ScoreInputs, query_block, key_block, visible,
                 transposed=False):
-        """Biased float32 scores of one tile, -inf for invisible pairs.
+        """Capped, biased float32 scores of one tile, -inf for invisible pairs, and the
+        derivative of the cap at each score (None without a cap).
 
-        [B, K, G, bq, bk], or [B, K, G, bk, bq] when `transposed` (the backward pass works on
-        the transposed tile so that its two largest products need no transposed copies).
+        Both [B, K, G, bq, bk], or [B, K, G, bk, bq] when `transposed` (the backward pass works
+        on the transposed tile so that its two largest products need no transposed copies).
         """
         pattern = "bksd,bkgqd->bkgsq" if transposed else "bkgqd,bksd->bkgqs"
         operands = (k_tile, q_tile) if transposed else (q_tile, k_tile)
         scores = jnp.einsum(pattern, *operands, preferred_element_type=jnp.float32)
+        # The cap's derivative is kept now: the bias shifts the capped scores below.
+        scores, cap_slope = soft_cap(scores, self.softcap)
         flip = (lambda x: jnp.swapaxes(x, -1, -2)) if transposed else (lambda x: x)
         if inputs.bias is not None:
             bias_tile = self._cols(self._rows(inputs.bias, query_block), key_block, 4)
             scores = scores + flip(bias_tile).astype(jnp.float32)
-        return scores if visible is None else jnp.where(flip(visible), scores, -jnp.inf)
+        if visible is not None:
+            scores = jnp.where(flip(visible), scores, -jnp.inf)
+        return scores, cap_slope
+
 
     def _each_tile(self, inputs, query_block, compute, carry):
         """Fold `compute(key_block, visible, carry)` over the planned tiles of a query block,
@@ -203,7 +233,7 @@ class _Kernel:
             def compute(key_block, visible, carry):
                 row_max, row_sum, acc = carry
                 k_tile, v_tile = self._cols(key, key_block, 2), self._cols(value, key_block, 2)
-                scores = self._scores(q_tile, k_tile, inputs, qb, key_block, visible)
+                scores, _ = self._scores(q_tile, k_tile, inputs, qb, key_block, visible)
                 new_max = jnp.maximum(row_max, scores.max(axis=-1))
                 probs = jnp.exp(scores - new_max[..., None])
                 correction = jnp.exp(row_max - new_max)
@@ -255,12 +285,17 @@ class _Kernel:
                 # Transposed tiles [B, K, G, bk, bq]: P^T, dP^T and dS^T.
                 d_query, d_key, d_value, d_bias = carry
                 k_tile, v_tile = self._cols(key, key_block, 2), self._cols(value, key_block, 2)
-                scores = self._scores(q_tile, k_tile, inputs, qb, key_block, visible,
-                                      transposed=True)
+                scores, cap_slope = self._scores(q_tile, k_tile, inputs, qb, key_block, visible,
+                                                 transposed=True)
                 probs = jnp.exp(scores - lse_tile)  # lse is finite, so invisible pairs give 0
                 d_probs = jnp.einsum("bksd,bkgqd->bkgsq", v_tile, do_tile,
                                      preferred_element_type=jnp.float32)
                 d_scores = probs * (d_probs - delta_tile)
+                if d_bias is not None:  # the bias is added after the cap: it gets dS itself
+                    d_bias = self._add_bias_tile(d_bias, jnp.swapaxes(d_scores, -1, -2), qb,
+                                                 key_block)
+                if cap_slope is not None:  # back through the cap to q·k
+                    d_scores = d_scores * cap_slope
                 key_start = (0, 0, key_block * self.block_k, 0)
                 d_value = _accumulate(d_value, jnp.einsum("bkgsq,bkgqd->bksd", probs, do_tile),
                                       key_start)
@@ -268,9 +303,6 @@ class _Kernel:
                     "bkgsq,bkgqd->bksd", d_scores, q_tile.astype(jnp.float32)), key_start)
                 d_query = d_query + jnp.einsum("bkgsq,bksd->bkgqd", d_scores,
                                                k_tile.astype(jnp.float32))
-                if d_bias is not None:
-                    d_bias = self._add_bias_tile(d_bias, jnp.swapaxes(d_scores, -1, -2), qb,
-                                                 key_block)
                 return d_query, d_key, d_value, d_bias
 
             d_key, d_value, d_bias = carry

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from tfx.ops import _checks
 from tfx.ops.backends import select_context_exchange
 from tfx.ops.block_plan import BlockPlan, block_plan
 from tfx.ops.blocked_attention import (
@@ -67,14 +68,15 @@ MAX_PAIR_PLANS = 16
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "spec", "scale", "axis", "exchange",
-                                             "block_sizes"))
+                                             "block_sizes", "softcap"))
 def context_parallel_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
                                mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
                                spec: SparsitySpec | None = None, scale: float | None = None,
                                query_segment_ids: jax.Array | None = None,
                                key_segment_ids: jax.Array | None = None,
                                axis: str = SEQUENCE_AXIS, exchange: str | None = None,
-                               block_sizes: tuple[int, int] | None = None) -> jax.Array:
+                               block_sizes: tuple[int, int] | None = None,
+                               softcap: float | None = None) -> jax.Array:
     """Self-attention with the sequence split over the mesh axis `axis`.
 
     Args:
@@ -94,13 +96,15 @@ def context_parallel_attention(query: jax.Array, key: jax.Array, value: jax.Arra
       axis: the mesh axis the sequence is split over.
       exchange: "ring", "all_gather" or None (`tfx.ops.backends.select_context_exchange`).
       block_sizes: (block_q, block_k) tiles of the blocked kernel within a chunk.
+      softcap: None, or a float > 0 that caps the scaled scores s at softcap·tanh(s / softcap)
+        (as in `tfx.ops.dot_product_attention`).
     Returns:
       [batch, seq, num_heads, value_dim] in value's dtype, split like query: equal to
       `tfx.ops.dot_product_attention` with the same arguments, values and gradients.
     Raises:
       ValueError: a mesh without `axis`, seq not divisible into 2n (with a spec) or n chunks,
-        query and key lengths that differ, or a spec whose chunk pairs need more than
-        MAX_PAIR_PLANS tile plans.
+        query and key lengths that differ, a spec whose chunk pairs need more than
+        MAX_PAIR_PLANS tile plans, or a softcap that is not a finite float > 0.
     """
     devices = dict(mesh.shape).get(axis, 0)
     if devices < 1:
@@ -118,9 +122,11 @@ def context_parallel_attention(query: jax.Array, key: jax.Array, value: jax.Arra
     if exchange not in CONTEXT_EXCHANGES:
         raise ValueError(f"exchange must be one of {CONTEXT_EXCHANGES} or None, got {exchange!r}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    if softcap is not None:
+        _checks.finite_positive_float("softcap", softcap)
     block_q, block_k = (min(b, layout.chunk_len) for b in block_sizes or (BLOCK_Q, BLOCK_K))
     plans, table = pair_plans(spec, layout.num_chunks, layout.chunk_len, block_q, block_k)
-    ring = _Ring(layout, axis, exchange, plans, table, block_q, block_k)
+    ring = _Ring(layout, axis, exchange, plans, table, block_q, block_k, softcap)
 
     tokens = _tokens_spec(mesh, axis, batch)
     heads = _heads_spec(mesh, num_heads, key.shape[2])
@@ -278,10 +284,11 @@ class _Ring:
     over the n devices of the axis (inside `shard_map`)."""
 
     def __init__(self, layout: _Layout, axis: str, exchange: str, plans, table, block_q: int,
-                 block_k: int):
+                 block_k: int, softcap: float | None):
         self.layout, self.axis, self.exchange = layout, axis, exchange
         self.plans, self.table = plans, table
-        self.block_q, self.block_k = block_q, block_k
+        # The blocked kernel's static keywords, the same for every chunk pair.
+        self.tiles = dict(block_q=block_q, block_k=block_k, softcap=softcap)
         self.padded_q = -(-layout.chunk_len // block_q) * block_q
         self.padded_k = -(-layout.chunk_len // block_k) * block_k
         self.attend = jax.custom_vjp(self._attend)
@@ -356,12 +363,11 @@ class _Ring:
         """Attend this device's query chunks to the key chunks of `source`, merging each
         chunk pair's partial output into (out, lse) by log-sum-exp."""
         k, v, k_seg = keys
-        tiles = dict(block_q=self.block_q, block_k=self.block_k)
 
         def merged(plan, operands):
             q_a, k_b, v_b, qs_a, ks_b, out_a, lse_a = operands
             part, part_lse = blocked_attention_forward(q_a, k_b, v_b, ScoreInputs(
-                query_segments=qs_a, key_segments=ks_b), plan=plan, **tiles)
+                query_segments=qs_a, key_segments=ks_b), plan=plan, **self.tiles)
             total = jnp.logaddexp(lse_a, part_lse)
             out_a = (out_a * jnp.exp(lse_a - total)[..., None]
                      + part * jnp.exp(part_lse - total)[..., None])
@@ -378,7 +384,6 @@ class _Ring:
     def _pair_gradients(self, q, q_seg, keys, me, source, out, lse, d_out):
         """float32 (d_query, d_key, d_value) through the key chunks of `source`."""
         k, v, k_seg = keys
-        tiles = dict(block_q=self.block_q, block_k=self.block_k)
 
         def skipped(operands):
             q_a, k_b, v_b = operands[:3]
@@ -388,7 +393,7 @@ class _Ring:
             q_a, k_b, v_b, qs_a, ks_b, out_a, lse_a, d_a = operands
             inputs = ScoreInputs(query_segments=qs_a, key_segments=ks_b)
             return blocked_attention_backward(q_a, k_b, v_b, inputs, out_a, lse_a, d_a,
-                                              plan=plan, **tiles)
+                                              plan=plan, **self.tiles)
 
         branches = [skipped] + [functools.partial(gradients, plan) for plan in self.plans]
         d_q = [jnp.zeros(x.shape, jnp.float32) for x in q]

@@ -85,7 +85,8 @@ def splash_block(length: int) -> int:
 
 def splash_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                      segment_ids: tuple[jax.Array, jax.Array] | None,
-                     spec: SparsitySpec | None, scale: float, *, interpret: bool) -> jax.Array:
+                     spec: SparsitySpec | None, scale: float, *, interpret: bool,
+                     softcap: float | None = None) -> jax.Array:
     """Splash attention through its MQA entry point, one call per (example, key head).
 
     MHA, GQA and MQA are one path: each key head serves its group of
@@ -98,6 +99,8 @@ def splash_attention(query: jax.Array, key: jax.Array, value: jax.Array,
       spec: the static mask, or None.
       scale: score multiplier (splash does not scale; the query is multiplied once here).
       interpret: run the kernel with the Pallas interpreter (the only way on CPU).
+      softcap: None, or a float > 0: splash's `attn_logits_soft_cap`, which caps the scaled
+        scores s at softcap·tanh(s / softcap) before masking (the sink logit stays uncapped).
     Returns:
       [batch, q_len, num_heads, value_dim] in the input dtype; rows that see no key are zeros.
     """
@@ -111,7 +114,8 @@ def splash_attention(query: jax.Array, key: jax.Array, value: jax.Array,
         block_q_dq=q_block, block_kv_dq=kv_block,
     )
     mask = masks.MultiHeadMask([splash_mask(spec, q_len, kv_len)] * group)
-    kernel = splash.make_splash_mqa_single_device(mask, block_sizes=blocks, interpret=interpret)
+    kernel = splash.make_splash_mqa_single_device(mask, block_sizes=blocks, interpret=interpret,
+                                                  attn_logits_soft_cap=softcap)
     sinks = jnp.full((group,), _SINK_LOGIT, jnp.float32)
 
     def one_head(q, k, v, ids):  # q [group, q_len, head_dim], k/v [kv_len, dim]
