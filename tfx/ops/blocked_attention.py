@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tfx.ops import activations
 from tfx.ops.block_plan import BlockPlan
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "NO_KEYS_LOG_SUM_EXP", "ScoreInputs", "blocked_attention",
@@ -71,8 +72,9 @@ def soft_cap(scores: jax.Array, softcap: float | None) -> tuple[jax.Array, jax.A
     """
     if softcap is None:
         return scores, None
-    tanh = jnp.tanh(scores / jnp.asarray(softcap, scores.dtype))
-    return jnp.asarray(softcap, scores.dtype) * tanh, 1.0 - tanh * tanh
+    capped = activations.softcap(scores, softcap)
+    tanh = capped / jnp.asarray(softcap, scores.dtype)
+    return capped, 1.0 - tanh * tanh
 
 
 def blocked_attention(query, key, value, inputs: ScoreInputs, *, plan: BlockPlan, block_q: int,
