@@ -21,9 +21,10 @@ from tfx.hf import plan
 from tfx.models.config import DecoderConfig, field_value, nested
 from tfx.ops.positional import DynamicNTKScaling, LinearScaling, Llama3Scaling, YaRNScaling
 
-__all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
-           "decoder_config", "decoder_config_to_hf", "params_from_hf", "params_to_hf", "steps",
-           "tensor_names"]
+__all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "check_fixed", "common_fields",
+           "common_fields_to_hf", "config_from_hf", "config_to_hf", "decoder_config",
+           "decoder_config_to_hf", "params_from_hf", "params_to_hf", "rope_parameters",
+           "scaling_from_hf", "scaling_to_hf", "steps", "tensor_names"]
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
@@ -71,18 +72,25 @@ def decoder_config(hf: dict, architecture: str, *, use_bias: bool, sliding_windo
     if hf["hidden_act"] != "silu":
         raise ValueError(f"{architecture}: hidden_act={hf['hidden_act']!r} is not supported "
                          "(tfx maps the gated 'silu' MLP)")
-    rope = _rope_parameters(hf)
-    max_len = hf["max_position_embeddings"]
+    rope = rope_parameters(hf)
     return DecoderConfig(**nested({
-        "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"],
-        "num_layers": hf["num_hidden_layers"], "num_heads": hf["num_attention_heads"],
-        "attention.num_kv_heads": hf["num_key_value_heads"], "attention.head_dim": hf["head_dim"],
-        "d_ff": hf["intermediate_size"], "max_len": max_len, "norm.eps": hf["rms_norm_eps"],
+        **common_fields(hf), "use_bias": use_bias, "attention.sliding_window": sliding_window,
         "rope.theta": float(rope.get("rope_theta", default_theta)),
-        "rope.scaling": _scaling_from_hf(rope, hf, max_len, architecture), "use_bias": use_bias,
-        "embeddings.tie": hf["tie_word_embeddings"], "embeddings.pad_id": hf.get("pad_token_id"),
-        "attention.sliding_window": sliding_window,
-        "dropout": 0.0, **_FIXED, **fields}))
+        "rope.scaling": scaling_from_hf(rope, hf, hf["max_position_embeddings"], architecture),
+        **_FIXED, **fields}))
+
+
+def common_fields(hf: dict) -> dict:
+    """The DecoderConfig fields (by dotted name) that every LLaMA-style config.json (Mixtral's,
+    Gemma's, ...) gives alike, from one whose defaults are filled in: sizes, norm epsilon, tied
+    head, padding token; dropout off."""
+    return {"vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"],
+            "num_layers": hf["num_hidden_layers"], "num_heads": hf["num_attention_heads"],
+            "attention.num_kv_heads": hf["num_key_value_heads"],
+            "attention.head_dim": hf["head_dim"], "d_ff": hf["intermediate_size"],
+            "max_len": hf["max_position_embeddings"], "norm.eps": hf["rms_norm_eps"],
+            "embeddings.tie": hf["tie_word_embeddings"],
+            "embeddings.pad_id": hf.get("pad_token_id"), "dropout": 0.0}
 
 
 def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
@@ -104,22 +112,32 @@ def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
 def decoder_config_to_hf(config: DecoderConfig, architecture: str, model_type: str) -> dict:
     """The config.json fields every LLaMA-style decoder shares (Mixtral too); ValueError for a
     config that is not one."""
+    check_fixed(config, architecture, _FIXED)
+    return {**common_fields_to_hf(config, architecture, model_type), "hidden_act": "silu",
+            "rope_parameters": scaling_to_hf(config, architecture)}
+
+
+def check_fixed(config: DecoderConfig, architecture: str, fixed: dict) -> None:
+    """ValueError unless `config` is a DecoderConfig with the values `fixed` (by dotted field
+    name) that every model of `architecture` has."""
     if not isinstance(config, DecoderConfig):
         raise ValueError(f"{architecture} needs a DecoderConfig, got {type(config).__name__}")
-    for name, value in _FIXED.items():
+    for name, value in fixed.items():
         if field_value(config, name) != value:
             raise ValueError(f"{architecture} cannot express {name}={field_value(config, name)!r} "
                              f"(it has {name}={value!r})")
+
+
+def common_fields_to_hf(config: DecoderConfig, architecture: str, model_type: str) -> dict:
+    """The config.json fields of `common_fields`, and the architecture, model type and dtype."""
     return {
         "architectures": [architecture], "model_type": model_type,
         "vocab_size": config.vocab_size, "hidden_size": config.d_model,
         "intermediate_size": config.d_ff, "num_hidden_layers": config.num_layers,
         "num_attention_heads": config.num_heads, "num_key_value_heads": config.kv_heads,
         "head_dim": config.attention.head_dim or config.d_model // config.num_heads,
-        "hidden_act": "silu", "max_position_embeddings": config.max_len,
-        "rms_norm_eps": config.norm.eps, "tie_word_embeddings": config.embeddings.tie,
-        "attention_dropout": config.dropout,
-        "rope_parameters": _scaling_to_hf(config, architecture),
+        "max_position_embeddings": config.max_len, "rms_norm_eps": config.norm.eps,
+        "tie_word_embeddings": config.embeddings.tie, "attention_dropout": config.dropout,
         "dtype": config.compute.param_dtype, "pad_token_id": config.embeddings.pad_id,
     }
 
@@ -176,7 +194,7 @@ def tensor_names(config: DecoderConfig) -> dict[tuple, str]:
     return names
 
 
-def _rope_parameters(hf: dict) -> dict:
+def rope_parameters(hf: dict) -> dict:
     """One flat dict of RoPE settings from either config format, with HF's precedence: a legacy
     rope_scaling over rope_parameters, their fields over the top-level rope_theta /
     partial_rotary_factor."""
@@ -188,14 +206,14 @@ def _rope_parameters(hf: dict) -> dict:
     return rope
 
 
-def _scaling_from_hf(rope: dict, hf: dict, max_len: int, architecture: str):
+def scaling_from_hf(rope: dict, hf: dict, max_len: int, architecture: str):
     """HF rope settings -> None or a tfx scaling object."""
     fraction = rope.get("partial_rotary_factor", 1.0)
     if fraction != 1.0:
-        # transformers' Llama/Mistral rotate the whole head whatever this says (default rope)
-        # or fail (scaled rope), so no value but 1.0 has a meaning to load.
+        # transformers' Llama, Mistral and Gemma rotate the whole head whatever this says
+        # (default rope) or fail (scaled rope), so no value but 1.0 has a meaning to load.
         raise ValueError(f"{architecture}: partial_rotary_factor={fraction} is not supported "
-                         "(transformers' Llama and Mistral rotate the whole head)")
+                         f"(transformers' {architecture} rotates the whole head)")
     kind = rope["rope_type"]
     if kind == "default":
         return None
@@ -224,7 +242,7 @@ def _scaling_from_hf(rope: dict, hf: dict, max_len: int, architecture: str):
         raise ValueError(f"{architecture}: rope_parameters {rope} are not valid: {error}") from None
 
 
-def _scaling_to_hf(config: DecoderConfig, architecture: str) -> dict:
+def scaling_to_hf(config: DecoderConfig, architecture: str) -> dict:
     """tfx rope.theta + rope.scaling -> HF rope_parameters."""
     scaling = config.rope.scaling
     rope = {"rope_theta": config.rope.theta, "rope_type": "default"}
