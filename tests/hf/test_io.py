@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from tfx import hf
-from tfx.hf import io
+from tfx.hf import io, tensorfiles
 from tfx.models import create
 
 
@@ -56,6 +56,20 @@ def test_corrupt_safetensors(tmp_path):
         io.read_tensors(tmp_path)
 
 
+def test_truncated_safetensors(tmp_path):
+    """A header whose offsets reach past the end of the file (a copy cut short) is refused
+    from the header, naming the tensor, before anything is read."""
+    from safetensors.numpy import save_file
+
+    save_file({"a": np.ones(3, np.float32), "b": np.ones(4, np.float32)},
+              str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-4])
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors "
+                                         r"file: tensor '.' \(float32 \[.\]\) has data_offsets"):
+        io.read_tensors(tmp_path)
+
+
 def test_sharded_index_naming_a_missing_shard(tmp_path):
     index = {"weight_map": {"a": "model-00001-of-00002.safetensors"}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -97,17 +111,16 @@ def test_assign_params_round_trip():
 
 def test_failed_save_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     folder = tmp_path / "ckpt"
-    io.write_folder(folder, {"architectures": ["X"]}, {"w": np.ones(2, np.float32)})
+    hf.save(_model(), folder, architecture="LlamaForCausalLM")
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
 
-    def broken_save(*args, **kwargs):
+    def broken_write(path, tensors):
+        path.write_bytes(b"half a file")
         raise OSError("disk full")
 
-    import safetensors.numpy
-
-    monkeypatch.setattr(safetensors.numpy, "save_file", broken_save)
+    monkeypatch.setattr(tensorfiles, "write", broken_write)
     with pytest.raises(OSError, match="disk full"):
-        io.write_folder(folder, {"architectures": ["Y"]}, {"w": np.zeros(2, np.float32)})
+        hf.save(_model(), folder, architecture="LlamaForCausalLM")
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging left behind
 
@@ -117,17 +130,26 @@ def test_save_rejects_unknown_architecture(tmp_path):
         hf.save(_model(), tmp_path / "out", architecture="GPTJForCausalLM")
 
 
-def test_load_takes_the_compute_dtype_as_design_lists_it(tmp_path):
-    """`tfx.hf.load(path, dtype=)`: the compute dtype, with the other compute settings kept."""
+def test_load_dtype_is_the_parameter_and_compute_dtype(tmp_path):
+    """`tfx.hf.load(path, dtype=)` as transformers' from_pretrained(dtype=): parameters stored
+    in it and computing in it, the other compute settings kept; `compute={"dtype": ...}`
+    alone changes the compute dtype only."""
     import jax.numpy as jnp
 
     model = create("llama-tiny", rngs=nnx.Rngs(0), num_layers=1, d_model=32, num_heads=4,
                    attention={"num_kv_heads": 2}, d_ff=64, vocab_size=50)
     hf.save(model, tmp_path / "llama", architecture="LlamaForCausalLM")
     fast = hf.load(tmp_path / "llama", dtype="bfloat16", compute={"scan_layers": True})
-    assert fast.config.compute.dtype == "bfloat16" and fast.config.compute.scan_layers
+    assert fast.config.compute.dtype == fast.config.compute.param_dtype == "bfloat16"
+    assert fast.config.compute.scan_layers
     assert fast.hidden_states(jnp.arange(6)[None]).dtype == jnp.bfloat16
-    assert fast.stack.layers.attention.query.kernel[...].dtype == jnp.float32
+    assert fast.stack.layers.attention.query.kernel[...].dtype == jnp.bfloat16
+    compute_only = hf.load(tmp_path / "llama", compute={"dtype": "bfloat16"})
+    assert compute_only.hidden_states(jnp.arange(6)[None]).dtype == jnp.bfloat16
+    assert compute_only.stack.layers[0].attention.query.kernel[...].dtype == jnp.float32
+    with pytest.raises(ValueError, match=r"dtype must be one of \('float16', 'bfloat16', "
+                                         r"'float32'\) or None, got 'int8'"):
+        hf.load(tmp_path / "llama", dtype="int8")
 
 
 def test_save_and_load_with_scanned_layers(tmp_path):

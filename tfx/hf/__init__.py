@@ -10,6 +10,12 @@ Loading is strict: a checkpoint must hold exactly the tensors the config's model
 the buffers transformers ignores too and tied copies checked equal), in float16 / bfloat16 /
 float32; `load(path, strict=False)` warns about missing and unexpected tensors instead. Each
 family module (`tfx.hf.gpt2`, ...) states its mapping as a `tfx.hf.plan` of steps.
+
+Both directions stream: `load` never builds the model with random weights, and puts each
+tensor on its device(s) as it is read, sharded on a mesh when there is one
+(`tfx.hf.streaming`); `save` gathers one output file's parameters to the host at a time and
+writes several files with an index past `max_shard_size` (`tfx.hf.saving`). Host memory stays
+about the size of the parameters.
 """
 
 from __future__ import annotations
@@ -18,8 +24,7 @@ import pathlib
 
 from flax import nnx
 
-from tfx.hf import io, plan
-from tfx.models import create
+from tfx.hf import io, plan, saving, streaming
 
 __all__ = ["SUPPORTED", "load", "save"]
 
@@ -36,9 +41,14 @@ def __getattr__(name):  # SUPPORTED is computed lazily to keep imports light
     raise AttributeError(name)
 
 
-def load(path: str | pathlib.Path, *, dtype: str | None = None, strict: bool = True,
+def load(path: str | pathlib.Path, *, dtype: str | None = None, mesh=None, strict: bool = True,
          **overrides) -> nnx.Module:
     """Load a transformers save_pretrained folder.
+
+    The model is never built with random weights: it is traced for its structure, and each
+    parameter is read from the files as its turn comes and put straight on its device(s), in
+    the sharding `tfx.parallel` gives it on the mesh (see `tfx.hf.streaming`). Host memory
+    stays about the size of the parameters, the forward pass's own included.
 
     Args:
       path: folder with config.json and `model.safetensors`, or a sharded checkpoint with
@@ -46,17 +56,23 @@ def load(path: str | pathlib.Path, *, dtype: str | None = None, strict: bool = T
         Without an index only `model.safetensors` is read. Every file must lie in the folder
         (index entries with absolute paths or `..`, and symlinks out of it, are refused; a
         Hugging Face cache snapshot's links into its blobs/ are fine). See `tfx.hf.io`.
-      dtype: compute dtype ("float32", "bfloat16", "float16"; weights stay float32), the
-        same as `compute={"dtype": dtype}`; None keeps the platform's default.
+      dtype: "float32", "bfloat16" or "float16": the parameters are stored in it and the
+        model computes in it (`compute.param_dtype` and `compute.dtype`), as transformers'
+        `from_pretrained(dtype=)`: a float32 file loaded as "bfloat16" takes half the memory.
+        None: parameters in float32, compute in the platform's default (`compute.dtype`).
+      mesh: a jax Mesh (`tfx.parallel.make_mesh`) to shard the parameters over by their
+        logical axes (`tfx.parallel.DEFAULT_RULES`), so a model larger than one device loads
+        across many; None: the mesh of an enclosing `jax.set_mesh`, else the default device.
       strict: every tensor the model needs must be in the checkpoint, and every tensor of the
         checkpoint must have a place in the model the config describes (tied copies of the
         embeddings, checked equal, and the buffers transformers ignores too, e.g. BERT's
         position_ids, are fine): otherwise ValueError naming them, raised from the files'
         headers before the model is built. False: warn instead, as transformers does;
-        unexpected tensors are not read, missing ones keep the model's initial values.
+        unexpected tensors are not read, missing ones keep the model's initial values (only
+        those parameters are initialised, as `create(config)` would).
       overrides: config fields that change how, not what, the model computes, as
         `TransformerConfig.replace` takes them (a dict changes some fields of a sub-config),
-        e.g. `compute={"dtype": "bfloat16"}` (compute dtype; weights stay float32),
+        e.g. `compute={"dtype": "bfloat16"}` (compute dtype only; weights stay float32),
         `attention={"implementation": "blocked"}`, `compute={"remat": True,
         "scan_layers": True}`.
     Returns:
@@ -66,42 +82,53 @@ def load(path: str | pathlib.Path, *, dtype: str | None = None, strict: bool = T
         not JSON, not an object), an unsupported architecture, a quantized checkpoint
         (`quantization_config`, or weights of a dtype other than float16 / bfloat16 /
         float32), the file rules above, missing or unexpected tensors (strict), shapes that
-        do not fit.
-      TypeError: `strict` is not a bool.
+        do not fit; `dtype` not one of the three.
+      TypeError: `strict` is not a bool; `mesh` is not a jax Mesh.
     """
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be True or False, got {strict!r}")
+    if dtype is not None and dtype not in plan.FLOAT_DTYPES:
+        raise ValueError(f"dtype must be one of {plan.FLOAT_DTYPES} or None, got {dtype!r}")
+    mesh = streaming.resolve_mesh(mesh)
     folder = pathlib.Path(path)
     hf_config = io.read_config(folder)
     architecture = _architecture(hf_config, folder)
     family = _families()[architecture]
     config = family.config_from_hf(hf_config, architecture)
     if dtype is not None:
-        overrides["compute"] = {**overrides.get("compute", {}), "dtype": dtype}
+        overrides["compute"] = {**overrides.get("compute", {}), "dtype": dtype,
+                                "param_dtype": dtype}
     if overrides:
         config = config.replace(**overrides)
     checkpoint = io.read_tensors(folder)  # headers only
     steps, left_out = plan.check(family.steps(checkpoint.keys(), config), checkpoint,
                                  ignored=family.IGNORED, strict=strict, source=str(folder))
-    model = create(config)
-    params = plan.run(steps, checkpoint) | io.current_values(model, left_out)
-    if config.compute.scan_layers:
-        params = io.stack_layers(params)
-    # Heads a checkpoint may lack (a family's OPTIONAL_PARAMS) keep their initial values.
-    io.assign_params(model, params, source=str(folder), optional=family.OPTIONAL_PARAMS)
+    model = streaming.load_model(config, steps, checkpoint, left_out=left_out,
+                                 optional=family.OPTIONAL_PARAMS, mesh=mesh, source=str(folder))
     model.eval()
     return model
 
 
-def save(model: nnx.Module, path: str | pathlib.Path, *, architecture: str) -> None:
+def save(model: nnx.Module, path: str | pathlib.Path, *, architecture: str,
+         max_shard_size: int | str = "5GB") -> None:
     """Write `model` as a transformers folder of the given architecture (e.g. "LlamaForCausalLM").
 
-    The folder is written to a temporary place and renamed, so a failing save never leaves a
+    Tensors keep the parameters' dtype (config.json's "dtype" says which). Up to
+    `max_shard_size` of tensors (bytes, or a size such as "5GB" or "500MiB") the folder holds
+    one `model.safetensors`; beyond, `model-0000i-of-0000N.safetensors` files and their
+    `model.safetensors.index.json`, as save_pretrained writes them. Parameters are gathered to
+    the host one file at a time, from wherever they are sharded (see `tfx.hf.saving`). The
+    folder is written to a temporary place and renamed, so a failing save never leaves a
     broken checkpoint behind or overwrites a good one.
+
+    Raises:
+      ValueError: an architecture tfx does not save, or one that cannot express the model
+        (naming the setting); a `max_shard_size` that is not a positive size.
     """
     families = _families()
     if architecture not in families:
         raise ValueError(f"architecture must be one of {sorted(families)}, got {architecture!r}")
+    limit = saving.parse_size(max_shard_size)
     family = families[architecture]
     moe = model.config.moe
     experts = 0 if moe is None else moe.num_experts
@@ -109,12 +136,7 @@ def save(model: nnx.Module, path: str | pathlib.Path, *, architecture: str) -> N
         with_experts = sorted(a for a, f in families.items() if getattr(f, "HAS_EXPERTS", False))
         raise ValueError(f"{architecture} cannot express num_experts={experts} (a model with "
                          f"experts saves as one of {with_experts})")
-    hf_config = family.config_to_hf(model.config, architecture)
-    params = io.flat_params(model)
-    if model.config.compute.scan_layers:
-        params = io.unstack_layers(params)
-    tensors = family.params_to_hf(params, model.config)
-    io.write_folder(pathlib.Path(path), hf_config, tensors)
+    saving.save_model(model, pathlib.Path(path), family, architecture, limit)
 
 
 def _architecture(hf_config: dict, folder: pathlib.Path) -> str:

@@ -1,7 +1,8 @@
 """Files of a Hugging Face checkpoint folder, and moving arrays in and out of an NNX model.
 
-Reads `config.json` and safetensors weights with numpy; refuses pickle checkpoints. Every
-failure names the file or tensor at fault. Which files hold the weights (what transformers'
+Reads `config.json` and safetensors weights (headers parsed here; each tensor read at its
+offsets into memory of its own, `host_array`); refuses pickle checkpoints. Every failure
+names the file or tensor at fault. Which files hold the weights (what transformers'
 save_pretrained writes, and nothing else):
 
 - with `model.safetensors.index.json`: the shards its "weight_map" names, each tensor read only
@@ -24,26 +25,23 @@ import os
 import pathlib
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tfx.hf import tensorfiles
 from tfx.nn.paths import path_name
 
-__all__ = ["Checkpoint", "assign_params", "current_values", "flat_params", "read_config",
-           "read_json", "read_tensors", "stack_layers", "unstack_layers", "write_folder"]
+__all__ = ["Checkpoint", "assign_params", "flat_params", "inside", "is_stacked", "layer_path",
+           "read_config", "read_json", "read_tensors", "split_layer", "stack_layers",
+           "unstack_layers", "write_folder"]
 
 Path = tuple[str | int, ...]
 _PICKLES = ("pytorch_model.bin", "model.bin", "pytorch_model.bin.index.json", "model.pt",
             "tf_model.h5", "flax_model.msgpack")
 _SINGLE, _INDEX = "model.safetensors", "model.safetensors.index.json"
-# safetensors dtype codes -> numpy names, so that messages speak one language.
-_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
-           "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64",
-           "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64",
-           "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 _JSON_KINDS = {dict: "object", list: "array", str: "string", int: "number", float: "number",
                bool: "true/false", type(None): "null"}
 
@@ -106,35 +104,30 @@ def inside(folder: pathlib.Path, entry: str, what: str) -> pathlib.Path:
 
 
 class Checkpoint(Mapping):
-    """A checkpoint's tensors by name, read lazily: the safetensors headers (names, dtypes) are
-    read up front, a tensor's data only when it is looked up, and only from the one file the
-    tensor belongs to.
+    """A checkpoint's tensors by name, read lazily: the safetensors headers (names, dtypes,
+    shapes, offsets) are read up front, a tensor's data only when it is looked up, and only
+    from the one file the tensor belongs to.
 
-    `checkpoint[name]` -> numpy array (bfloat16 as ml_dtypes' bfloat16);
-    `checkpoint.dtypes[name]` -> its numpy dtype name ("float32", "int8", ...), from the header.
+    `checkpoint[name]` -> numpy array in memory of its own (`tensorfiles.read`; bfloat16 as
+    ml_dtypes' bfloat16). `checkpoint.entries[name]` -> its `tensorfiles.Entry` (file, dtype,
+    shape, offsets); `checkpoint.dtypes[name]` -> its numpy dtype name, from the header.
     """
 
-    def __init__(self, files: Mapping[str, pathlib.Path], dtypes: Mapping[str, str]):
-        self.files, self.dtypes = dict(files), dict(dtypes)
+    def __init__(self, entries: Mapping[str, tensorfiles.Entry]):
+        self.entries = dict(entries)
+        self.dtypes = {name: entry.dtype for name, entry in self.entries.items()}
 
     def __getitem__(self, name: str) -> np.ndarray:
-        from safetensors import SafetensorError, safe_open
-
-        path = self.files[name]
-        try:
-            with safe_open(str(path), "numpy") as file:
-                return file.get_tensor(name)
-        except (SafetensorError, OSError) as error:
-            raise ValueError(f"{path}: tensor {name!r} cannot be read: {error}") from None
+        return tensorfiles.read(self.entries[name], name)
 
     def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
-        return name in self.files
+        return name in self.entries
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.files)
+        return iter(self.entries)
 
     def __len__(self) -> int:
-        return len(self.files)
+        return len(self.entries)
 
 
 def read_tensors(folder: pathlib.Path) -> Checkpoint:
@@ -146,16 +139,15 @@ def read_tensors(folder: pathlib.Path) -> Checkpoint:
         raise ValueError(f"{folder} holds both {_SINGLE} and {_INDEX}: which one is the "
                          "checkpoint is ambiguous; remove the one that is not")
     shards = _index(folder, index) if index.is_file() else _unindexed(folder, single)
-    files, dtypes = {}, {}
+    entries = {}
     for path, names in shards.items():
-        header = _header(path)
+        header = tensorfiles.header(path)
         absent = sorted(set(names or header) - set(header))
         if absent:
             raise ValueError(f"{index} maps tensor(s) {absent[:5]} ({len(absent)} in all) to "
                              f"{path.name}, which does not hold them")
-        for name in names or header:
-            files[name], dtypes[name] = path, header[name]
-    return Checkpoint(files, dtypes)
+        entries.update((name, header[name]) for name in names or header)
+    return Checkpoint(entries)
 
 
 def _index(folder: pathlib.Path, index: pathlib.Path) -> dict[pathlib.Path, list[str]]:
@@ -192,19 +184,6 @@ def _unindexed(folder: pathlib.Path, single: pathlib.Path) -> dict[pathlib.Path,
     raise ValueError(f"{folder} has no *.safetensors weights")
 
 
-def _header(path: pathlib.Path) -> dict[str, str]:
-    """Tensor name -> numpy dtype name, from a safetensors file's header (no data is read)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), "numpy") as file:
-            names = file.keys()  # a safe_open is not iterable
-            codes = {name: file.get_slice(name).get_dtype() for name in names}
-            return {name: _DTYPES.get(code, code) for name, code in codes.items()}
-    except (SafetensorError, OSError, ValueError) as error:
-        raise ValueError(f"{path} is not a readable safetensors file: {error}") from None
-
-
 def flat_params(model: nnx.Module) -> dict[Path, np.ndarray]:
     """The model's parameters by state path, e.g. ('stack', 'layers', 0, 'mlp', 'up', 'kernel')."""
     state = nnx.state(model, nnx.Param)
@@ -238,31 +217,17 @@ def assign_params(model: nnx.Module, params: Mapping[Path, np.ndarray], *,
         var[...] = jnp.asarray(value, var[...].dtype)
 
 
-def current_values(model: nnx.Module, paths: list[Path]) -> dict[Path, np.ndarray]:
-    """The model's own (e.g. initial) values of per-layer parameter `paths`, whether its layers
-    are stacked (`scan_layers`: row i of (..., 'layers', ...)) or not."""
-    state = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    values = {}
-    for path in paths:
-        at = _layer_index(path)
-        if path in state or at is None:
-            values[path] = np.asarray(state[path][...])
-        else:
-            values[path] = np.asarray(state[path[:at] + path[at + 1:]][...][path[at]])
-    return values
-
-
 def stack_layers(params: Mapping[Path, np.ndarray]) -> dict[Path, np.ndarray]:
     """Per-layer paths (..., 'layers', i, ...) -> stacked paths (..., 'layers', ...) with a
     leading [num_layers] axis, the layout of a model built with `scan_layers=True`."""
     groups: dict[Path, dict[int, np.ndarray]] = {}
     stacked: dict[Path, np.ndarray] = {}
     for path, value in params.items():
-        at = _layer_index(path)
-        if at is None:
+        kind, row = split_layer(path)
+        if row is None:
             stacked[path] = value
         else:
-            groups.setdefault(path[:at] + path[at + 1:], {})[path[at]] = value
+            groups.setdefault(kind, {})[row] = value
     for path, layers in groups.items():
         stacked[path] = np.stack([layers[i] for i in range(len(layers))])
     return stacked
@@ -272,37 +237,63 @@ def unstack_layers(params: Mapping[Path, np.ndarray]) -> dict[Path, np.ndarray]:
     """The inverse of `stack_layers`."""
     out: dict[Path, np.ndarray] = {}
     for path, value in params.items():
-        if "layers" not in path:
+        if not is_stacked(path):
             out[path] = value
             continue
-        at = path.index("layers") + 1
         for i, layer in enumerate(value):
-            out[(*path[:at], i, *path[at:])] = layer
+            out[layer_path(path, i)] = layer
     return out
 
 
-def _layer_index(path: Path) -> int | None:
-    """Position of the layer number in a per-layer path, or None."""
+def split_layer(path: Path) -> tuple[Path, int | None]:
+    """A per-layer path (..., 'layers', i, ...) -> (the stacked path (..., 'layers', ...), i);
+    any other path -> (path, None)."""
     if "layers" in path:
         at = path.index("layers") + 1
         if at < len(path) and isinstance(path[at], int):
-            return at
-    return None
+            return path[:at] + path[at + 1:], path[at]
+    return path, None
 
 
-def write_folder(folder: pathlib.Path, config: dict, tensors: Mapping[str, np.ndarray]) -> None:
-    """Write config.json + model.safetensors atomically: into a temporary folder first, then
-    renamed into place, so a failed save never leaves a half-written or clobbered checkpoint."""
-    from safetensors.numpy import save_file
+def layer_path(stacked: Path, row: int | None) -> Path:
+    """The inverse of `split_layer`: row `row` of a stacked path as a per-layer path."""
+    if row is None:
+        return stacked
+    at = stacked.index("layers") + 1
+    return (*stacked[:at], row, *stacked[at:])
 
+
+def is_stacked(path: Path) -> bool:
+    """Whether a parameter path is that of layers stacked [num_layers, ...] (`scan_layers`)."""
+    return "layers" in path and split_layer(path)[1] is None
+
+
+def write_folder(folder: pathlib.Path, config: dict,
+                 tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, Mapping]]) -> None:
+    """Write a checkpoint folder atomically: config.json and the weights go into a temporary
+    folder beside `folder`, which is then renamed into place (replacing an existing one only
+    then), so a failed save never leaves a half-written or clobbered checkpoint behind.
+
+    Args:
+      tensors: the weights, by name: one `model.safetensors`; or (file name, tensors) pairs,
+        one per file, taken one at a time (a generator can gather each file's tensors when its
+        turn comes), with `model.safetensors.index.json` when there are several.
+    """
     folder = pathlib.Path(folder)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{folder} exists and is not a folder")
+    files = [(_SINGLE, tensors)] if isinstance(tensors, Mapping) else tensors
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-                  str(staging / "model.safetensors"), metadata={"format": "pt"})
+        weight_map, total = {}, 0
+        for file, shard in files:
+            total += tensorfiles.write(staging / file, shard)
+            weight_map.update(dict.fromkeys(shard, file))
+            del shard  # held no longer than its file takes to write
+        if len(set(weight_map.values())) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (staging / _INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         if folder.exists():
             backup = folder.with_name(f".{folder.name}.old")

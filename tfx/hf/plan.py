@@ -36,20 +36,25 @@ class Step:
     Attributes:
       targets: tfx parameter paths, e.g. ("stack", "layers", 0, "mlp", "up", "kernel").
       sources: HF tensor names, e.g. "model.layers.0.mlp.up_proj.weight".
-      convert: the function of the source arrays.
+      convert: the function of the source arrays (numpy in, numpy out).
       why: why the sources are needed, for the error when one is missing.
+      transpose: set by `copy` only (one source, one target: the tensor as it is, or
+        transposed), which tells `tfx.hf.load` that it may do the step on the device (a
+        transpose there is many times faster than numpy's); None for any other step, whose
+        `convert` runs on the host.
     """
 
     targets: tuple[Path, ...]
     sources: tuple[str, ...]
     convert: Callable[..., Sequence[np.ndarray]]
     why: str = _NEEDED
+    transpose: bool | None = None
 
 
 def copy(path: Path, name: str, *, transpose: bool = False, why: str = _NEEDED) -> Step:
     """Parameter `path` is tensor `name`, transposed for a torch nn.Linear weight ([out, in])
     going to an nnx kernel ([in, out])."""
-    return Step((path,), (name,), _transposed if transpose else _same, why)
+    return Step((path,), (name,), _transposed if transpose else _same, why, transpose)
 
 
 def tied(copy_name: str, source: str, why: str = "") -> Step:
