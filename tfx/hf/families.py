@@ -9,7 +9,7 @@ from types import ModuleType
 
 __all__ = ["FAMILIES", "by_architecture"]
 
-FAMILIES = ("bert", "gemma", "gpt2", "llama", "mixtral", "t5")
+FAMILIES = ("bert", "deepseek", "gemma", "gpt2", "llama", "mixtral", "t5")
 
 
 def by_architecture() -> dict[str, ModuleType]:
