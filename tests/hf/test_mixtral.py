@@ -147,6 +147,9 @@ _TFX = DecoderConfig(vocab_size=99, d_model=32, num_layers=1, num_heads=4, d_ff=
 @pytest.mark.parametrize("changes, match", [
     (dict(moe=None), "needs experts"),
     (dict(moe={"every": 2}, num_layers=2), r"moe\.every"),
+    (dict(moe={"first_dense": 1}, num_layers=2), r"moe\.first_dense"),
+    (dict(moe={"renormalize": False}), r"moe\.renormalize"),
+    (dict(moe={"routed_scale": 2.5}), r"moe\.routed_scale"),
     (dict(moe={"capacity_factor": 1.25}), r"moe\.capacity_factor"),
     (dict(moe={"policy": "gshard"}), r"moe\.policy"),
     (dict(moe={"experts_per_token": 1}), r"moe\.experts_per_token"),

@@ -21,10 +21,10 @@ from tfx.hf import plan
 from tfx.models.config import DecoderConfig, field_value, nested
 from tfx.ops.positional import DynamicNTKScaling, LinearScaling, Llama3Scaling, YaRNScaling
 
-__all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "check_fixed", "common_fields",
-           "common_fields_to_hf", "config_from_hf", "config_to_hf", "decoder_config",
-           "decoder_config_to_hf", "params_from_hf", "params_to_hf", "rope_parameters",
-           "scaling_from_hf", "scaling_to_hf", "steps", "tensor_names"]
+__all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "biases", "check_fixed",
+           "common_fields", "common_fields_to_hf", "config_from_hf", "config_to_hf",
+           "decoder_config", "decoder_config_to_hf", "params_from_hf", "params_to_hf",
+           "rope_parameters", "scaling_from_hf", "scaling_to_hf", "steps", "tensor_names"]
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
@@ -170,28 +170,44 @@ def _transposed(path: tuple, value: np.ndarray) -> np.ndarray:
 
 
 def tensor_names(config: DecoderConfig) -> dict[tuple, str]:
-    """tfx path -> HF tensor name, for every parameter of the model but experts (Mixtral's
-    layers have experts in place of the MLP: `tfx.hf.mixtral` names those)."""
+    """tfx path -> HF tensor name, for every parameter of the model but experts (the layers
+    that have experts in place of the MLP, `config.is_moe_layer`: `tfx.hf.mixtral` names
+    those). Biases are where `biases` says; per-head query/key norms (Qwen 3, Gemma 3) are
+    `self_attn.q_norm` / `k_norm`."""
     names = {("embeddings", "tokens", "table"): "model.embed_tokens.weight",
              ("stack", "final_norm", "scale"): "model.norm.weight"}
     if not config.embeddings.tie:  # a tied checkpoint's lm_head.weight is checked by `steps`
         names[("head", "kernel")] = "lm_head.weight"
-    projections = {("attention", "query"): "self_attn.q_proj",
-                   ("attention", "key"): "self_attn.k_proj",
-                   ("attention", "value"): "self_attn.v_proj",
-                   ("attention", "out"): "self_attn.o_proj"}
-    if config.moe is None:
-        projections |= {("mlp", "gate"): "mlp.gate_proj", ("mlp", "up"): "mlp.up_proj",
-                        ("mlp", "down"): "mlp.down_proj"}
+    attention = {("attention", "query"): "self_attn.q_proj",
+                 ("attention", "key"): "self_attn.k_proj",
+                 ("attention", "value"): "self_attn.v_proj",
+                 ("attention", "out"): "self_attn.o_proj"}
+    mlp = {("mlp", "gate"): "mlp.gate_proj", ("mlp", "up"): "mlp.up_proj",
+           ("mlp", "down"): "mlp.down_proj"}
+    has_bias = biases(config)
     for i in range(config.num_layers):
         layer, hf = ("stack", "layers", i), f"model.layers.{i}"
         names[(*layer, "attention_norm", "scale")] = f"{hf}.input_layernorm.weight"
         names[(*layer, "mlp_norm", "scale")] = f"{hf}.post_attention_layernorm.weight"
+        projections = attention if config.is_moe_layer(i) else attention | mlp
         for path, module in projections.items():
             names[(*layer, *path, "kernel")] = f"{hf}.{module}.weight"
-            if config.use_bias:
+            if has_bias[path[-1] if path[0] == "attention" else "mlp"]:
                 names[(*layer, *path, "bias")] = f"{hf}.{module}.bias"
+        if config.attention.qk_norm is not None:
+            for ours, theirs in (("query_norm", "q_norm"), ("key_norm", "k_norm")):
+                names[(*layer, "attention", ours, "norm", "scale")] = \
+                    f"{hf}.self_attn.{theirs}.weight"
     return names
+
+
+def biases(config: DecoderConfig) -> dict[str, bool]:
+    """Which projections have a bias: "query", "key", "value" (attention.qkv_bias), "out"
+    (attention.out_bias) and "mlp" (use_bias); the attention's None means use_bias."""
+    qkv, out = config.attention.qkv_bias, config.attention.out_bias
+    qkv = config.use_bias if qkv is None else qkv
+    return {"query": qkv, "key": qkv, "value": qkv, "mlp": config.use_bias,
+            "out": config.use_bias if out is None else out}
 
 
 def rope_parameters(hf: dict) -> dict:

@@ -34,13 +34,14 @@ import functools
 import numpy as np
 
 from tfx.hf import llama, plan
-from tfx.models.config import DecoderConfig, field_value
+from tfx.models.config import DecoderConfig
 
 __all__ = ["ARCHITECTURES", "HAS_EXPERTS", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf",
-           "config_to_hf", "params_from_hf", "params_to_hf", "steps", "train_settings"]
+           "config_to_hf", "moe_steps", "moe_tensors", "params_from_hf", "params_to_hf", "steps",
+           "train_settings"]
 
 ARCHITECTURES = ("MixtralForCausalLM",)
-HAS_EXPERTS = True  # the one family whose models may have experts, `moe` (tfx.hf.save)
+HAS_EXPERTS = True  # models with experts, `moe`, may be saved as Mixtral (tfx.hf.save)
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
 IGNORED = llama.IGNORED  # the rotary buffers older transformers saved
 
@@ -54,10 +55,12 @@ _DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
 _DEFAULT_THETA = 1e6  # MixtralConfig.default_theta, for a config.json that names no rope_theta
 _DEFAULT_AUX_COEF = _DEFAULTS["router_aux_loss_coef"]
 # What every Mixtral MoE is, in tfx terms (checked again on export).
-_MOE_FIXED = {"moe.every": 1, "moe.capacity_factor": None, "moe.policy": "topk",
-              "moe.shared_experts": 0}
+_MOE_FIXED = {"moe.every": 1, "moe.first_dense": 0, "moe.capacity_factor": None,
+              "moe.policy": "topk", "moe.shared_experts": 0, "moe.num_groups": 1,
+              "moe.groups_per_token": 1, "moe.routed_scale": 1.0}
 _ROUTER = ("mlp", "router", "kernel")
 _EXPERTS = ("gate", "up", "down")
+_WEIGHTS = ("w1", "w3", "w2")  # Mixtral's names of each expert's gate, up and down weights
 
 
 def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
@@ -99,10 +102,10 @@ def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
     if config.moe is None:
         raise ValueError(f"{architecture} needs experts, moe (a dense model saves as "
                          "LlamaForCausalLM or MistralForCausalLM)")
-    for name, value in _MOE_FIXED.items():
-        if field_value(config, name) != value:
-            raise ValueError(f"{architecture} cannot express {name}={field_value(config, name)!r} "
-                             f"(it has {name}={value!r})")
+    llama.check_fixed(config, architecture, _MOE_FIXED)
+    if config.moe.renormalize is False:
+        raise ValueError(f"{architecture} cannot express moe.renormalize=False (it divides the "
+                         "k weights by their sum)")
     if config.moe.experts_per_token == 1:
         raise ValueError(f"{architecture} cannot express moe.experts_per_token=1 (it weights a "
                          "single expert by 1, tfx by its probability)")
@@ -127,11 +130,35 @@ def steps(names, config: DecoderConfig) -> list[plan.Step]:
     """The conversion plan for a checkpoint holding tensors `names` (see `tfx.hf.plan`)."""
     out = llama.steps(names, config)  # all but the MoE blocks
     for i in range(config.num_layers):
-        layer, block = ("stack", "layers", i), _block(names, i)
-        out.append(plan.copy((*layer, *_ROUTER), f"{block}.gate.weight", transpose=True))
-        out += _expert_steps(names, block, tuple((*layer, "mlp", "experts", name)
-                                                 for name in _EXPERTS), config.moe.num_experts)
+        out += moe_steps(names, config, i, _block(names, i))
     return out
+
+
+def moe_steps(names, config: DecoderConfig, layer: int, block: str,
+              weights: tuple[str, str, str] = _WEIGHTS) -> list[plan.Step]:
+    """The steps making layer `layer`'s router and stacked experts from the tensors under
+    `block` (e.g. "model.layers.0.mlp"): the router `{block}.gate.weight` [E, d], and the
+    experts fused (`{block}.experts.gate_up_proj`, `.down_proj`) or one tensor per expert
+    (`{block}.experts.{j}.{w}.weight` for w in `weights`, the names of the gate, up and down
+    weights: Mixtral's w1, w3, w2; Qwen 3 MoE's gate_proj, up_proj, down_proj)."""
+    path = ("stack", "layers", layer)
+    targets = tuple((*path, "mlp", "experts", name) for name in _EXPERTS)
+    return [plan.copy((*path, *_ROUTER), f"{block}.gate.weight", transpose=True),
+            *_expert_steps(names, block, targets, config.moe.num_experts, weights)]
+
+
+def moe_tensors(params: dict, config: DecoderConfig, layer: int, block: str,
+                weights: tuple[str, str, str] = _WEIGHTS) -> dict[str, np.ndarray]:
+    """The inverse of `moe_steps`: layer `layer`'s router and per-expert tensors, as
+    save_pretrained writes them."""
+    path = ("stack", "layers", layer)
+    tensors = {f"{block}.gate.weight": np.asarray(params[(*path, *_ROUTER)]).T}
+    for name, hf_name in zip(_EXPERTS, weights, strict=True):
+        stacked = np.asarray(params[(*path, "mlp", "experts", name)])
+        for j in range(config.moe.num_experts):
+            # nn.Linear weights are [out, in]: gate, up [f, d] and down [d, f].
+            tensors[f"{block}.experts.{j}.{hf_name}.weight"] = stacked[j].T
+    return tensors
 
 
 def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
@@ -139,13 +166,7 @@ def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
     (lm_head left out when tied)."""
     tensors = llama.params_to_hf(params, config)  # all but the MoE blocks
     for i in range(config.num_layers):
-        layer, block = ("stack", "layers", i), f"model.layers.{i}.block_sparse_moe"
-        tensors[f"{block}.gate.weight"] = np.asarray(params[(*layer, *_ROUTER)]).T
-        for name, hf_name in zip(_EXPERTS, ("w1", "w3", "w2"), strict=True):
-            stacked = np.asarray(params[(*layer, "mlp", "experts", name)])
-            for j in range(config.moe.num_experts):
-                # nn.Linear weights are [out, in]: w1, w3 [f, d] and w2 [d, f].
-                tensors[f"{block}.experts.{j}.{hf_name}.weight"] = stacked[j].T
+        tensors |= moe_tensors(params, config, i, f"model.layers.{i}.block_sparse_moe")
     return tensors
 
 
@@ -160,17 +181,18 @@ def _block(names, layer: int) -> str:
     return fused if f"{fused}.gate.weight" in names else f"model.layers.{layer}.block_sparse_moe"
 
 
-def _expert_steps(names, block: str, targets: tuple, num_experts: int) -> list[plan.Step]:
+def _expert_steps(names, block: str, targets: tuple, num_experts: int,
+                  weights: tuple[str, str, str]) -> list[plan.Step]:
     """Steps making the stacked experts `targets` (gate [E, d, f], up [E, d, f], down
     [E, f, d]) from either tensor layout."""
     fused = f"{block}.experts.gate_up_proj"
     if fused in names:
         sources = (fused, f"{block}.experts.down_proj")
         return [plan.Step(targets, sources, functools.partial(_split_fused, fused))]
-    # nn.Linear weights are [out, in]: w1, w3 [f, d] and w2 [d, f], one tensor per expert.
+    # nn.Linear weights are [out, in]: gate, up [f, d] and down [d, f], one tensor per expert.
     return [plan.Step((target,), tuple(f"{block}.experts.{j}.{w}.weight"
                                        for j in range(num_experts)), _stack_transposed)
-            for target, w in zip(targets, ("w1", "w3", "w2"), strict=True)]
+            for target, w in zip(targets, weights, strict=True)]
 
 
 def _stack_transposed(*weights: np.ndarray) -> tuple[np.ndarray]:
