@@ -63,3 +63,36 @@ def parity_fixture(cases, hf_model):
         return request.param, model, through_folder(model, tmp_path_factory.mktemp(request.param))
 
     return loaded
+
+
+def left_padded(rows):
+    """ids, mask int64 [len(rows), longest row] with each row's tokens at the right end (the
+    padding side HF's generate needs for a batch of decoder-only prompts); padding ids 0."""
+    width = max(map(len, rows))
+    ids, mask = np.zeros((len(rows), width), np.int64), np.zeros((len(rows), width), np.int64)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
+    return ids, mask
+
+
+def assert_greedy_matches(torch, ours, theirs, prompts, new_tokens: int):
+    """Greedy `tfx.generate` of tfx model `ours` gives, token for token, what HF's
+    generate(do_sample=False) of `theirs` gives on the left-padded `prompts`, with no EOS (both
+    run the full length) and each row visiting several tokens (so that the comparison says
+    something). Returns HF's output (`sequences`, `cache`)."""
+    import tfx
+
+    ids, mask = left_padded(prompts)
+    config = theirs.generation_config
+    config.eos_token_id, config.pad_token_id = None, 0
+    with torch.no_grad():
+        out = theirs.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                              do_sample=False, max_new_tokens=new_tokens,
+                              return_dict_in_generate=True)
+    expected = out.sequences.numpy()
+    assert expected.shape == (len(prompts), ids.shape[1] + new_tokens)
+    assert all(len(set(row)) >= 3 for row in expected[:, ids.shape[1]:].tolist()), expected
+    generated = tfx.generate(ours, ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(generated), expected)
+    return out

@@ -21,10 +21,11 @@ from tfx.hf import plan
 from tfx.models.config import DecoderConfig, field_value, nested
 from tfx.ops.positional import DynamicNTKScaling, LinearScaling, Llama3Scaling, YaRNScaling
 
-__all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "biases", "check_fixed",
-           "common_fields", "common_fields_to_hf", "config_from_hf", "config_to_hf",
-           "decoder_config", "decoder_config_to_hf", "params_from_hf", "params_to_hf",
-           "rope_parameters", "scaling_from_hf", "scaling_to_hf", "steps", "tensor_names"]
+__all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "attention_bias", "biases",
+           "check_fixed", "common_fields", "common_fields_to_hf", "config_from_hf",
+           "config_to_hf", "decoder_config", "decoder_config_to_hf", "params_from_hf",
+           "params_to_hf", "rope_parameters", "scaling_from_hf", "scaling_to_hf", "steps",
+           "tensor_names"]
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
@@ -148,20 +149,26 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: DecoderConfig) -> dic
     return plan.convert(steps(tensors.keys(), config), tensors, ignored=IGNORED)
 
 
-def steps(names, config: DecoderConfig) -> list[plan.Step]:
+def steps(names, config: DecoderConfig, tensors: dict[tuple, str] | None = None
+          ) -> list[plan.Step]:
     """The conversion plan for a checkpoint holding tensors `names` (see `tfx.hf.plan`); for a
-    Mixtral config, all but the experts and routers."""
+    Mixtral config, all but the experts and routers. `tensors`: tfx path -> HF name of the
+    tensors copied one to one (default `tensor_names(config)`; a LLaMA-like family that names
+    or packs some otherwise passes its own: `tfx.hf.olmo2`, `tfx.hf.phi3`)."""
+    tensors = tensor_names(config) if tensors is None else tensors
     out = [plan.copy(path, name, transpose=path[-1] == "kernel")
-           for path, name in tensor_names(config).items()]
+           for path, name in tensors.items()]
     if config.embeddings.tie and "lm_head.weight" in names:  # a copy: checked, not used
         out.append(plan.tied("lm_head.weight", "model.embed_tokens.weight"))
     return out
 
 
-def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
+def params_to_hf(params: dict, config: DecoderConfig, tensors: dict[tuple, str] | None = None
+                 ) -> dict[str, np.ndarray]:
     """tfx parameters by state path -> HF tensors (lm_head left out when tied, as
-    save_pretrained does)."""
-    return {name: _transposed(path, params[path]) for path, name in tensor_names(config).items()}
+    save_pretrained does); `tensors` as for `steps`."""
+    tensors = tensor_names(config) if tensors is None else tensors
+    return {name: _transposed(path, params[path]) for path, name in tensors.items()}
 
 
 def _transposed(path: tuple, value: np.ndarray) -> np.ndarray:
@@ -210,6 +217,22 @@ def biases(config: DecoderConfig) -> dict[str, bool]:
             "out": config.use_bias if out is None else out}
 
 
+def attention_bias(config: DecoderConfig, architecture: str, *, mlp_bias: bool) -> bool:
+    """The one attention_bias flag of config.json (biases on the query, key, value and output
+    projections alike: OLMo 2, Phi-3, GPT-NeoX) for a model whose MLP has biases iff
+    `mlp_bias`; ValueError for a config with other biases."""
+    has = biases(config)
+    if has["mlp"] != mlp_bias:
+        raise ValueError(f"{architecture} cannot express use_bias={config.use_bias} (its MLP "
+                         f"has {'biases' if mlp_bias else 'no biases'})")
+    if len({has[name] for name in ("query", "key", "value", "out")}) > 1:
+        raise ValueError(f"{architecture} cannot express attention.qkv_bias="
+                         f"{config.attention.qkv_bias} with attention.out_bias="
+                         f"{config.attention.out_bias} (attention_bias puts biases on the "
+                         "query, key, value and output projections alike)")
+    return has["out"]
+
+
 def rope_parameters(hf: dict) -> dict:
     """One flat dict of RoPE settings from either config format, with HF's precedence: a legacy
     rope_scaling over rope_parameters, their fields over the top-level rope_theta /
@@ -222,10 +245,13 @@ def rope_parameters(hf: dict) -> dict:
     return rope
 
 
-def scaling_from_hf(rope: dict, hf: dict, max_len: int, architecture: str):
-    """HF rope settings -> None or a tfx scaling object."""
+def scaling_from_hf(rope: dict, hf: dict, max_len: int, architecture: str, *,
+                    partial: bool = False):
+    """HF rope settings -> None or a tfx scaling object. `partial`: the architecture rotates
+    the first int(head_dim · partial_rotary_factor) features (GPT-NeoX, Phi-3: rope.fraction,
+    which the caller reads); otherwise a factor other than 1 is refused."""
     fraction = rope.get("partial_rotary_factor", 1.0)
-    if fraction != 1.0:
+    if fraction != 1.0 and not partial:
         # transformers' Llama, Mistral and Gemma rotate the whole head whatever this says
         # (default rope) or fail (scaled rope), so no value but 1.0 has a meaning to load.
         raise ValueError(f"{architecture}: partial_rotary_factor={fraction} is not supported "
