@@ -1,7 +1,8 @@
 """Worker for test_streaming_load.py (run as a script, because the 8 CPU devices must be set
 before jax starts): a tiny LLaMA saved by tfx.hf.save, loaded on one device and onto a mesh
 of 8 devices (fsdp=2 x tensor=4) in the ways tfx.hf.load offers, saved again from the mesh in
-several files. Writes OUT (an .npz file): each load's logits, and "report", a JSON string of
+several files; the mesh loads also as accelerators assemble parameters (on the devices).
+Writes OUT (an .npz file): each load's logits, and "report", a JSON string of
 each load's parameter shardings and the files of the save.
 
     python _streaming_worker.py OUT
@@ -24,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from tfx import hf
+from tfx.hf import placement
 from tfx.models import create
 from tfx.nn.paths import path_name
 from tfx.parallel import make_mesh, param_specs
@@ -56,6 +58,12 @@ if __name__ == "__main__":
         loaded = load()
         arrays[name] = np.asarray(loaded(ids))
         report[name] = shardings(loaded) if name != "one_device" else {}
+    placement.HOST_PLATFORMS = ()  # as on accelerators: assembled on the devices
+    for name in ("mesh", "scanned_mesh"):
+        loaded = loads[name]()
+        arrays[f"{name}_on_device"] = np.asarray(loaded(ids))
+        report[f"{name}_on_device"] = shardings(loaded)
+    placement.HOST_PLATFORMS = ("cpu",)
     with jax.set_mesh(MESH):  # the enclosing mesh, no mesh= argument
         loaded = hf.load(folder / "ckpt")
         arrays["set_mesh"] = np.asarray(loaded(ids))

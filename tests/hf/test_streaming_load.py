@@ -19,11 +19,20 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from tfx import hf
-from tfx.hf import gpt2, io, saving, streaming
+from tfx.hf import gpt2, io, placement, saving, streaming
 from tfx.models import create
 
 WORKER = pathlib.Path(__file__).with_name("_streaming_worker.py")
 IDS = jnp.arange(24).reshape(2, 12) % 50
+
+
+@pytest.fixture(params=["on_host", "on_device"])
+def assembled(request, monkeypatch) -> str:
+    """Both ways parameters are assembled: on the host (CPU devices) and on the devices
+    (accelerators; here forced onto the CPU device)."""
+    if request.param == "on_device":
+        monkeypatch.setattr(placement, "HOST_PLATFORMS", ())
+    return request.param
 
 
 def _llama(folder, **overrides):
@@ -33,7 +42,7 @@ def _llama(folder, **overrides):
     return model
 
 
-def test_the_model_is_traced_never_built(tmp_path, monkeypatch):
+def test_the_model_is_traced_never_built(tmp_path, monkeypatch, assembled):
     """`create` runs only under a trace (no parameter is computed); under strict=False, the
     missing layer's parameters take create's initial values without it running eagerly."""
     folder = tmp_path / "ckpt"
@@ -60,7 +69,7 @@ def test_the_model_is_traced_never_built(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "GPT2LMHeadModel"])
-def test_a_float32_file_loads_as_rounded_bfloat16(tmp_path, architecture):
+def test_a_float32_file_loads_as_rounded_bfloat16(tmp_path, architecture, assembled):
     """dtype="bfloat16": every parameter (plain copies, converted on the device, and GPT-2's
     split q/k/v, converted on the host) is the file's value rounded to bfloat16."""
     if architecture == "LlamaForCausalLM":
@@ -77,7 +86,7 @@ def test_a_float32_file_loads_as_rounded_bfloat16(tmp_path, architecture):
                                       err_msg=str(path))
 
 
-def test_scanned_layers_load_what_the_layer_list_loads(tmp_path):
+def test_scanned_layers_load_what_the_layer_list_loads(tmp_path, assembled):
     _llama(tmp_path / "ckpt")
     listed = hf.load(tmp_path / "ckpt")
     scanned = hf.load(tmp_path / "ckpt", compute={"scan_layers": True})
@@ -141,23 +150,25 @@ def on_a_mesh(tmp_path_factory) -> tuple[dict, dict]:
         return json.loads(str(saved["report"])), logits
 
 
-@pytest.mark.parametrize("load", ["mesh", "set_mesh", "scanned_mesh"])
+@pytest.mark.parametrize("load", ["mesh", "set_mesh", "scanned_mesh", "mesh_on_device",
+                                  "scanned_mesh_on_device"])
 def test_parameters_land_in_their_shardings(on_a_mesh, load):
     """fsdp=2 x tensor=4: each parameter in the NamedSharding tfx.parallel's rules give it,
     split across the devices, not copied whole to each."""
     shardings = on_a_mesh[0][load]
     for name, (spec, expected, _) in shardings.items():
         assert spec == expected, name
-    layer = "stack/layers/" if load == "scanned_mesh" else "stack/layers/0/"
+    stacked = load.startswith("scanned")
+    layer = "stack/layers/" if stacked else "stack/layers/0/"
     query = shardings[layer + "attention/query/kernel"]
-    stacked = load == "scanned_mesh"
     assert query[0] == ("P(None, 'fsdp', 'tensor')" if stacked else "P('fsdp', 'tensor')")
     assert query[2] == ([2, 16, 8] if stacked else [16, 8])  # one device's piece
     assert shardings["embeddings/tokens/table"][:2] == ["P('tensor', 'fsdp')"] * 2
     assert shardings["stack/final_norm/scale"][:2] == ["P()", "P()"]  # replicated
 
 
-@pytest.mark.parametrize("load", ["mesh", "set_mesh", "scanned_mesh", "saved_from_mesh"])
+@pytest.mark.parametrize("load", ["mesh", "set_mesh", "scanned_mesh", "mesh_on_device",
+                                  "scanned_mesh_on_device", "saved_from_mesh"])
 def test_logits_on_a_mesh_equal_one_device(on_a_mesh, load):
     arrays = on_a_mesh[1]
     assert np.abs(arrays["one_device"]).max() > 0.1

@@ -1,7 +1,7 @@
 """Files of a Hugging Face checkpoint folder, and moving arrays in and out of an NNX model.
 
-Reads `config.json` and safetensors weights (headers parsed here; each tensor read at its
-offsets into memory of its own, `host_array`); refuses pickle checkpoints. Every failure
+Reads `config.json` and safetensors weights (`tfx.hf.tensorfiles`: headers first, then each
+tensor mapped when it is asked for); refuses pickle checkpoints. Every failure
 names the file or tensor at fault. Which files hold the weights (what transformers'
 save_pretrained writes, and nothing else):
 
@@ -108,8 +108,8 @@ class Checkpoint(Mapping):
     shapes, offsets) are read up front, a tensor's data only when it is looked up, and only
     from the one file the tensor belongs to.
 
-    `checkpoint[name]` -> numpy array in memory of its own (`tensorfiles.read`; bfloat16 as
-    ml_dtypes' bfloat16). `checkpoint.entries[name]` -> its `tensorfiles.Entry` (file, dtype,
+    `checkpoint[name]` -> read-only numpy array over the file's pages (`tensorfiles.read`;
+    bfloat16 as ml_dtypes' bfloat16), unmapped when it is dropped. `checkpoint.entries[name]` -> its `tensorfiles.Entry` (file, dtype,
     shape, offsets); `checkpoint.dtypes[name]` -> its numpy dtype name, from the header.
     """
 

@@ -2,9 +2,10 @@
 bytes of little-endian header length, a JSON header (tensor name -> dtype code, shape, byte
 offsets into the data; "__metadata__"), then the tensors' bytes, back to back.
 
-Reading parses the header here (no data is read) and then reads each tensor's bytes straight
-into memory of its own (`host_array`), with no mapping of the file left behind; writing makes
-only the tensor being written contiguous. Errors name the file and tensor at fault.
+Reading parses the header here (no data is read) and maps each tensor's bytes when it is asked
+for, a tensor at a time; `host_array` gives the page-aligned memory a loaded parameter lives in;
+writing makes only the tensor being written contiguous. Errors name the file and tensor at
+fault.
 """
 
 from __future__ import annotations
@@ -92,24 +93,24 @@ def _ints(value) -> bool:
 
 
 def read(entry: Entry, name: str) -> np.ndarray:
-    """Tensor `name`'s data, read from its file into a new `host_array` of its shape and dtype
-    (bfloat16 as ml_dtypes' bfloat16)."""
-    array = host_array(entry.shape, numpy_dtype(entry.dtype))
-    data = memoryview(array.reshape(-1).view(np.uint8))  # bytes: every dtype exports them
+    """Tensor `name` as a read-only numpy array over its file's pages (bfloat16 as ml_dtypes'
+    bfloat16): a mapping of just its bytes, faulted in up front (MAP_POPULATE), gone when the
+    array and every view of it are. Reading costs no copy, and no more memory than the page
+    cache already holds, for as long as the array is kept."""
+    dtype = numpy_dtype(entry.dtype)
+    if entry.nbytes == 0:
+        return np.empty(entry.shape, dtype)
+    start = entry.start - entry.start % mmap.ALLOCATIONGRANULARITY  # mappings start aligned
     try:
-        with open(entry.file, "rb", buffering=0) as file:
-            file.seek(entry.start)
-            done = 0
-            while done < entry.nbytes:  # one read() returns at most ~2 GiB on Linux
-                count = file.readinto(data[done:])
-                if not count:
-                    raise ValueError(f"{entry.file}: tensor {name!r} cannot be read: the file "
-                                     "ends before its data does (truncated?)")
-                done += count
-    except OSError as error:
+        with open(entry.file, "rb") as file:
+            mapping = mmap.mmap(file.fileno(), entry.stop - start, offset=start,
+                                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                prot=mmap.PROT_READ)
+    except (OSError, ValueError) as error:  # ValueError: the file is shorter than its header
         raise ValueError(f"{entry.file}: tensor {name!r} cannot be read: "
-                         f"{error.strerror}") from None
-    return array
+                         f"{getattr(error, 'strerror', None) or error}") from None
+    return np.frombuffer(mapping, dtype, math.prod(entry.shape),
+                         entry.start - start).reshape(entry.shape)
 
 
 def host_array(shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -117,9 +118,10 @@ def host_array(shape: tuple[int, ...], dtype) -> np.ndarray:
     faulted in up front by the kernel (MAP_POPULATE, much faster than page by page).
 
     Why not np.empty: jax on CPU adopts an array aligned to 64 bytes without copying it, so a
-    tensor read here becomes a parameter at no further cost; and the memory goes back to the
-    system when the array is dropped instead of staying in a heap that many large, differently
-    lived allocations fragment.
+    parameter assembled here becomes the device array at no further cost; and the memory goes
+    back to the system when the array is dropped instead of staying in a heap that many large,
+    differently lived allocations fragment. (Huge pages would speed a transposing copy into
+    it, but the kernel's compaction to find them stalled loading for longer than they saved.)
     """
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
