@@ -10,7 +10,7 @@ from types import ModuleType
 __all__ = ["FAMILIES", "by_architecture"]
 
 FAMILIES = ("bert", "deepseek", "gemma", "gpt2", "gpt_neox", "llama", "mixtral", "olmo2", "phi3",
-            "t5")
+            "qwen", "t5")
 
 
 def by_architecture() -> dict[str, ModuleType]:
