@@ -109,8 +109,9 @@ class Checkpoint(Mapping):
     from the one file the tensor belongs to.
 
     `checkpoint[name]` -> read-only numpy array over the file's pages (`tensorfiles.read`;
-    bfloat16 as ml_dtypes' bfloat16), unmapped when it is dropped. `checkpoint.entries[name]` -> its `tensorfiles.Entry` (file, dtype,
-    shape, offsets); `checkpoint.dtypes[name]` -> its numpy dtype name, from the header.
+    bfloat16 as ml_dtypes' bfloat16), unmapped when it is dropped.
+    `checkpoint.entries[name]` -> its `tensorfiles.Entry` (file, dtype, shape, offsets);
+    `checkpoint.dtypes[name]` -> its numpy dtype name, from the header.
     """
 
     def __init__(self, entries: Mapping[str, tensorfiles.Entry]):

@@ -8,8 +8,8 @@ pieces are assembled depends on the devices' platform (`placement` picks):
 
 - CPU devices (`HOST_PLATFORMS`): on the host. The parameter is assembled in page-aligned memory
   (`tfx.hf.tensorfiles.host_array`) that jax then adopts as the device array without copying:
-  one pass over each tensor (transposed in blocks of rows, cast by numpy), no compilation, and
-  no memory beyond the parameters themselves.
+  one pass over each tensor (`tfx.hf.tensorfiles.copy_into`: transposed in blocks of rows,
+  cast by numpy), no compilation, and no memory beyond the parameters themselves.
 - Accelerators: on the devices. A piece goes to the devices as it is read, laid out as its
   transpose needs (so that no data moves between devices), and small compiled programs
   transpose, cast, and write a row of a stacked parameter in place (the buffer is donated);
@@ -35,8 +35,6 @@ __all__ = ["HOST_PLATFORMS", "Placement", "placement"]
 Path = tuple[str | int, ...]
 # Platforms whose devices hold arrays in the host's own memory.
 HOST_PLATFORMS = ("cpu",)
-_ROWS = 16  # rows per block of a host transpose: numpy's whole-array transposed copy strides
-# across memory and runs several times slower
 
 
 def placement(abstract: dict[Path, nnx.Param], mesh) -> Placement:
@@ -118,19 +116,12 @@ class _OnHost(Placement):
     def put(self, path: Path, row: int | None, value, transpose: bool) -> None:
         self.prepare((io.layer_path(path, row),))  # values that no step gave come unprepared
         staged = self.staged[path]
-        _copy(staged if row is None else staged[row], np.asarray(value), transpose)
+        value = np.asarray(value)
+        tensorfiles.copy_into(staged if row is None else staged[row],
+                              value.T if transpose else value)
         self.missing[path] -= 1
         if not self.missing[path]:  # complete: jax adopts the memory (one CPU device)
             self.values[path] = jax.device_put(self.staged.pop(path), self.sharding(path))
-
-
-def _copy(out: np.ndarray, value: np.ndarray, transpose: bool) -> None:
-    """out[...] = value.T (or value), cast to out's dtype; a 2-d transpose in row blocks."""
-    if not (transpose and value.ndim == 2):
-        np.copyto(out, value.T if transpose else value, casting="unsafe")
-        return
-    for start in range(0, value.shape[0], _ROWS):
-        np.copyto(out[:, start:start + _ROWS], value[start:start + _ROWS].T, casting="unsafe")
 
 
 class _OnDevice(Placement):
