@@ -140,6 +140,16 @@ _TFX = DecoderConfig(vocab_size=99, d_model=32, num_layers=1, num_heads=4, d_ff=
     (LLAMA, dict(rope={"scaling": NTKScaling(2.0)}), r"rope\.scaling"),
     (LLAMA, dict(rope={"scaling": DynamicNTKScaling(2.0, 16)}, max_len=32), "max_len"),
     (MISTRAL, dict(use_bias=True), "use_bias"),
+    # Other families' layer parts: a save as LLaMA would compute something else.
+    (LLAMA, dict(attention={"qk_norm": "per_head"}), r"attention\.qk_norm"),
+    (MISTRAL, dict(attention={"sliding_window": 4, "layer_types": ("sliding",)}),
+     r"attention\.layer_types"),
+    (LLAMA, dict(attention={"softcap": 50.0}), r"attention\.softcap"),
+    (LLAMA, dict(logit_softcap=30.0), "logit_softcap"),
+    (LLAMA, dict(norm={"kind": "rms", "outputs": True}), r"norm\.outputs"),
+    (LLAMA, dict(mlp={"parallel": True}), r"mlp\.parallel"),
+    (LLAMA, dict(attention={"qkv_bias": True}), r"attention\.qkv_bias"),
+    (MISTRAL, dict(attention={"qkv_bias": True, "out_bias": True}), "bias"),
 ])
 def test_configs_transformers_cannot_express_raise(architecture, changes, match):
     with pytest.raises(ValueError, match=match):

@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-from tfx.hf import plan
+from tfx.hf import llama, plan
 from tfx.models.config import DecoderConfig, field_value, nested
 
 __all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
@@ -30,7 +30,8 @@ _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 _FIXED = {"position": "learned", "norm.kind": "layer", "norm.pre_norm": True, "use_bias": True,
           "mlp.gated": False, "attention.num_kv_heads": None, "attention.head_dim": None,
           "attention.scale": None, "attention.sliding_window": None, "attention.pattern": None,
-          "embeddings.scale": False}
+          "attention.qkv_bias": None, "attention.out_bias": None, "attention.qk_norm": None,
+          "attention.layer_types": None, "embeddings.scale": False, "latent": None}
 # GPT2Config's defaults, for config.json files that leave a field out (old hub checkpoints do).
 _DEFAULTS = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
                  n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,
@@ -69,6 +70,7 @@ def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
     # head_dim / num_kv_heads may be spelled out with their default values.
     spelled = {"attention.head_dim": config.d_model // config.num_heads,
                "attention.num_kv_heads": config.num_heads}
+    llama.check_fixed(config, architecture, llama.PLAIN_PARTS)
     for name, value in _FIXED.items():
         if field_value(config, name) not in (value, spelled.get(name, value)):
             raise ValueError(f"{architecture} cannot express {name}={field_value(config, name)!r} "

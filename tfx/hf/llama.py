@@ -21,8 +21,8 @@ from tfx.hf import plan
 from tfx.models.config import DecoderConfig, field_value, nested
 from tfx.ops.positional import DynamicNTKScaling, LinearScaling, Llama3Scaling, YaRNScaling
 
-__all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "attention_bias", "biases",
-           "check_fixed", "common_fields", "common_fields_to_hf", "config_from_hf",
+__all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "PLAIN_PARTS", "attention_bias",
+           "biases", "check_fixed", "common_fields", "common_fields_to_hf", "config_from_hf",
            "config_to_hf", "decoder_config", "decoder_config_to_hf", "params_from_hf",
            "params_to_hf", "rope_parameters", "scaling_from_hf", "scaling_to_hf", "steps",
            "tensor_names"]
@@ -34,10 +34,18 @@ OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
 IGNORED = (r"(.*\.)?rotary_emb\.inv_freq",)
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}
+# The layer parts of other families that a LLaMA-style architecture does not have (checked on
+# export by every family built on this module, so that none writes a checkpoint that would
+# compute something else).
+PLAIN_PARTS = {"rope.local_theta": None, "norm.inputs": True, "norm.outputs": False,
+               "mlp.parallel": False, "attention.softcap": None, "logit_softcap": None}
 # What every LLaMA / Mistral is, in tfx terms (checked again on export).
 _FIXED = {"position": "rope", "rope.layout": "half", "rope.fraction": 1.0, "norm.kind": "rms",
           "norm.pre_norm": True, "mlp.gated": True, "mlp.activation": "silu",
-          "attention.scale": None, "attention.pattern": None, "embeddings.scale": False}
+          "attention.scale": None, "attention.pattern": None, "embeddings.scale": False,
+          "latent": None, **PLAIN_PARTS}
+# What LLaMA, Mistral and Mixtral have (Qwen has more): no q/k norms, one kind of layer.
+_PLAIN_ATTENTION = {"attention.qk_norm": None, "attention.layer_types": None}
 # The config classes' defaults, for config.json files that leave a field out.
 _COMMON = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                head_dim=None, hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -98,15 +106,18 @@ def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
     """DecoderConfig -> LlamaConfig / MistralConfig fields; ValueError for what they cannot
     express."""
     hf = decoder_config_to_hf(config, architecture, _MODEL_TYPES[architecture])
+    check_fixed(config, architecture, _PLAIN_ATTENTION)
     if architecture == "MistralForCausalLM":
-        if config.use_bias:
-            raise ValueError(f"{architecture} cannot express use_bias=True (it has no biases)")
+        if attention_bias(config, architecture, mlp_bias=False):
+            raise ValueError(f"{architecture} cannot express attention biases "
+                             "(attention.qkv_bias / out_bias): it has no biases")
         hf["sliding_window"] = config.attention.sliding_window
     else:
         if config.attention.sliding_window is not None:
             raise ValueError(f"{architecture} cannot express attention.sliding_window="
                              f"{config.attention.sliding_window} (save as MistralForCausalLM)")
-        hf["attention_bias"] = hf["mlp_bias"] = config.use_bias
+        hf["mlp_bias"] = config.use_bias
+        hf["attention_bias"] = attention_bias(config, architecture, mlp_bias=config.use_bias)
     return hf
 
 

@@ -102,7 +102,8 @@ def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
     if config.moe is None:
         raise ValueError(f"{architecture} needs experts, moe (a dense model saves as "
                          "LlamaForCausalLM or MistralForCausalLM)")
-    llama.check_fixed(config, architecture, _MOE_FIXED)
+    llama.check_fixed(config, architecture, {**_MOE_FIXED, "attention.qk_norm": None,
+                                             "attention.layer_types": None})
     if config.moe.renormalize is False:
         raise ValueError(f"{architecture} cannot express moe.renormalize=False (it divides the "
                          "k weights by their sum)")

@@ -69,11 +69,9 @@ _MODEL_TYPES = {QWEN2: "qwen2", QWEN3: "qwen3", QWEN3_MOE: "qwen3_moe"}
 _LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 # What every model of the architecture is, in tfx terms, beyond `tfx.hf.llama`'s table (which
 # `llama.decoder_config_to_hf` checks): set on load, checked on save.
-_COMMON_FIXED = {"rope.local_theta": None, "norm.inputs": True, "norm.outputs": False,
-                 "mlp.parallel": False, "attention.softcap": None, "logit_softcap": None}
-_FIXED = {QWEN2: {**_COMMON_FIXED, "attention.qk_norm": None},
-          QWEN3: {**_COMMON_FIXED, "attention.qk_norm": "per_head"},
-          QWEN3_MOE: {**_COMMON_FIXED, "attention.qk_norm": "per_head"}}
+_FIXED = {QWEN2: {"attention.qk_norm": None},
+          QWEN3: {"attention.qk_norm": "per_head"},
+          QWEN3_MOE: {"attention.qk_norm": "per_head"}}
 _MOE_FIXED = {"moe.capacity_factor": None, "moe.policy": "topk", "moe.shared_experts": 0,
               "moe.num_groups": 1, "moe.groups_per_token": 1, "moe.routed_scale": 1.0}
 _WEIGHTS = ("gate_proj", "up_proj", "down_proj")  # each expert's gate, up and down weights
