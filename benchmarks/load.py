@@ -56,8 +56,17 @@ def write_checkpoint(folder: pathlib.Path) -> dict:
     return {"parameters": model.num_parameters()}
 
 
+def _status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (VmRSS: now, VmHWM: peak)."""
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
 def child(library: str, folder: str) -> dict:
-    """Import `library`, load `folder`, run one call: seconds of each and the peak RSS."""
+    """Import `library`, load `folder`, run one call: seconds of each, and resident memory
+    after the imports, at the peak of the load, and at the peak of all."""
     start = time.perf_counter()
     if library == "tfx":
         import jax.numpy as jnp
@@ -66,22 +75,23 @@ def child(library: str, folder: str) -> dict:
         import tfx.hf
 
         jnp.zeros(()).block_until_ready()  # the backend started: part of the imports
-        imported = time.perf_counter()
+        imported, imports_rss = time.perf_counter(), _status_bytes("VmRSS")
         model = tfx.hf.load(folder)
-        loaded = time.perf_counter()
+        loaded, load_peak = time.perf_counter(), _status_bytes("VmHWM")
         logits = np.asarray(model(jnp.arange(TOKENS)[None] * 7))
     else:
         import torch
         import transformers
 
-        imported = time.perf_counter()
+        imported, imports_rss = time.perf_counter(), _status_bytes("VmRSS")
         model = transformers.AutoModelForCausalLM.from_pretrained(folder)
-        loaded = time.perf_counter()
+        loaded, load_peak = time.perf_counter(), _status_bytes("VmHWM")
         with torch.no_grad():
             logits = model(torch.arange(TOKENS)[None] * 7).logits.numpy()
     done = time.perf_counter()
     return {"import_s": imported - start, "load_s": loaded - imported, "call_s": done - loaded,
             "load_call_s": done - imported, "logits_shape": list(logits.shape),
+            "imports_rss_bytes": imports_rss, "load_peak_rss_bytes": load_peak,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
@@ -96,7 +106,8 @@ def measure(folder: pathlib.Path, repeats: int) -> dict:
     out = {"checkpoint_bytes": checkpoint}
     for library, results in runs.items():
         medians = {key: statistics.median(r[key] for r in results)
-                   for key in ("import_s", "load_s", "call_s", "load_call_s", "peak_rss_bytes")}
+                   for key in ("import_s", "load_s", "call_s", "load_call_s", "imports_rss_bytes",
+                               "load_peak_rss_bytes", "peak_rss_bytes")}
         out[library] = {"runs": results, **medians,
                         "rss_over_checkpoint": medians["peak_rss_bytes"] / checkpoint}
     out["time_ratio"] = out["tfx"]["load_call_s"] / out["transformers"]["load_call_s"]
@@ -128,6 +139,20 @@ def render(results: dict) -> str:
               r[library]["import_s"], r[library]["peak_rss_bytes"] / 2**30,
               f"{r[library]['rss_over_checkpoint']:.3f}",
               f"{r[library]['load_call_s'] / r['transformers']['load_call_s']:.2f}x"]
+             for library in LIBRARIES]),
+        "",
+        "Where the resident memory goes (MiB, medians): after the imports (interpreter, "
+        "library, backend), the peak while loading, the peak of all (the call included); the "
+        "checkpoint's tensors are " f"{r['checkpoint_bytes'] / 2**20:.0f} MiB.",
+        "",
+        markdown_table(
+            ["library", "imports", "load peak", "load peak - imports", "peak",
+             "peak - load peak (the call)"],
+            [[library, r[library]["imports_rss_bytes"] / 2**20,
+              r[library]["load_peak_rss_bytes"] / 2**20,
+              (r[library]["load_peak_rss_bytes"] - r[library]["imports_rss_bytes"]) / 2**20,
+              r[library]["peak_rss_bytes"] / 2**20,
+              (r[library]["peak_rss_bytes"] - r[library]["load_peak_rss_bytes"]) / 2**20]
              for library in LIBRARIES]),
     ]
     return "\n".join(lines) + "\n"

@@ -48,7 +48,8 @@ def load(path: str | pathlib.Path, *, dtype: str | None = None, mesh=None, stric
     The model is never built with random weights: it is traced for its structure, and each
     parameter is read from the files as its turn comes and put straight on its device(s), in
     the sharding `tfx.parallel` gives it on the mesh (see `tfx.hf.streaming`). Host memory
-    stays about the size of the parameters, the forward pass's own included.
+    grows by the parameters and one tensor in flight (on CPU the parameters are the memory
+    they were read into: about the checkpoint's size in all).
 
     Args:
       path: folder with config.json and `model.safetensors`, or a sharded checkpoint with

@@ -94,8 +94,9 @@ def resolve_mesh(mesh):
 
 def _run_all(steps: Sequence[plan.Step], checkpoint: io.Checkpoint,
              params: placement.Placement, source: str) -> None:
-    """Do the steps in order, each step's tensors read (by a thread, which the reads and the
-    device work both let run) while the step before is being done."""
+    """Do the steps in order. A reader thread maps each step's tensors, and has the placement
+    get ready for it (on CPU: allocate the memory it fills), while the step before is done:
+    reading, allocating and copying all let other threads run."""
     def read(step: plan.Step) -> list[np.ndarray]:
         params.prepare(step.targets)
         return [checkpoint[name] for name in step.sources]
