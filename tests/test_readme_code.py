@@ -113,3 +113,18 @@ def test_readme_block(block, outcomes):
     if result["outcome"] == "running":
         pytest.fail(f"{where}: did not finish ({outcomes['ended']})")
     assert result["outcome"] == "passed", f"{where} raised:\n{result['detail']}"
+
+
+# ```bash blocks that run a Python script given on standard input (`python - <<'EOF'`), with
+# the environment their first line sets (e.g. 8 simulated devices for a mesh), as written.
+SCRIPTS = [match.group(1) for match in re.finditer(r"^```bash\n(.*?)^```[ \t]*$",
+                                                  README.read_text(encoding="utf-8"), re.S | re.M)
+           if "python - <<'EOF'" in match.group(1)]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[f"script-{i}" for i in range(len(SCRIPTS))])
+def test_readme_bash_script(script, tmp_path):
+    done = subprocess.run(["bash", "-e", "-c", script], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
