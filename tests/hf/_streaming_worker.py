@@ -36,8 +36,8 @@ def shardings(model) -> dict:
     of the piece each device holds)."""
     state = nnx.state(model, nnx.Param)
     expected = dict(nnx.to_flat_state(param_specs(state, MESH)))
-    return {path_name(path): [str(var.get_value().sharding.spec),
-                              str(expected[path].get_value()),
+    return {path_name(path): [list(var.get_value().sharding.spec),  # a spec's repr varies
+                              list(expected[path].get_value()),
                               list(var.get_value().addressable_shards[0].data.shape)]
             for path, var in nnx.to_flat_state(state)}
 

@@ -181,10 +181,10 @@ def test_parameters_land_in_their_shardings(on_a_mesh, load):
     stacked = load.startswith("scanned")
     layer = "stack/layers/" if stacked else "stack/layers/0/"
     query = shardings[layer + "attention/query/kernel"]
-    assert query[0] == ("P(None, 'fsdp', 'tensor')" if stacked else "P('fsdp', 'tensor')")
+    assert query[0] == ([None, "fsdp", "tensor"] if stacked else ["fsdp", "tensor"])
     assert query[2] == ([2, 16, 8] if stacked else [16, 8])  # one device's piece
-    assert shardings["embeddings/tokens/table"][:2] == ["P('tensor', 'fsdp')"] * 2
-    assert shardings["stack/final_norm/scale"][:2] == ["P()", "P()"]  # replicated
+    assert shardings["embeddings/tokens/table"][:2] == [["tensor", "fsdp"]] * 2
+    assert shardings["stack/final_norm/scale"][:2] == [[], []]  # replicated
 
 
 @pytest.mark.parametrize("load", ["mesh", "set_mesh", "scanned_mesh", "mesh_on_device",
