@@ -1,5 +1,8 @@
-"""Helpers shared by the causal-LM parity tests (GPT-2, LLaMA / Mistral): a right-padded batch,
-logits from both sides, and the comparison at real positions."""
+"""Helpers shared by the causal-LM parity tests of tests/hf (GPT-2, LLaMA / Mistral, Mixtral,
+Qwen, Gemma, Phi-3, OLMo 2, GPT-NeoX, DeepSeek-V3): the tiny perturbed transformers model, a
+right-padded batch, logits from both sides and their comparison at real positions, the
+module-scoped fixture with its logits test, greedy generation, a save read back by
+transformers, and parameters compared path by path."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +15,19 @@ def perturb(torch, model, scale: float = 0.1):
         for param in model.parameters():
             param.add_(scale * torch.randn_like(param))
     return model
+
+
+def hf_causal_lm(torch, transformers, architecture: str, fields: dict, *, seed: int = 0,
+                 scale: float = 0.1, config_class=None):
+    """transformers' `architecture` (eager attention, eval mode) from `config_class(**fields)`
+    (by default the transformers class named like the architecture, `...Config`), initialised
+    under torch.manual_seed(seed) and perturbed by `scale`."""
+    torch.manual_seed(seed)
+    if config_class is None:
+        name = architecture.replace("ForCausalLM", "Config").replace("LMHeadModel", "Config")
+        config_class = getattr(transformers, name)
+    config = config_class(**fields, attn_implementation="eager")
+    return perturb(torch, getattr(transformers, architecture)(config).eval(), scale=scale)
 
 
 def padded_inputs(seq: int, vocab_size: int = 99):
@@ -63,6 +79,75 @@ def parity_fixture(cases, hf_model):
         return request.param, model, through_folder(model, tmp_path_factory.mktemp(request.param))
 
     return loaded
+
+
+def parity_tests(torch, cases, hf_model, seq: int):
+    """`parity_fixture(cases, hf_model)` and the test every family runs on it: tfx's logits are
+    transformers' on a right-padded batch of length seq. A test module binds both, as
+    `loaded, test_logits_match_transformers = parity_tests(...)`."""
+    loaded = parity_fixture(cases, hf_model)
+
+    def test_logits_match_transformers(loaded):
+        _, hf_model, model = loaded
+        assert_logits_match(torch, model, hf_model, seq)
+
+    return loaded, test_logits_match_transformers
+
+
+def save_round_trips(torch, transformers, model, folder, architecture: str, seq: int):
+    """`tfx.hf.save(model, folder, architecture=...)` read back by transformers is that
+    architecture with `model`'s logits on a right-padded batch of length seq, and read back by
+    tfx has `model`'s config. Returns transformers' model."""
+    import tfx.hf
+
+    tfx.hf.save(model, folder, architecture=architecture)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, attn_implementation="eager").eval()
+    assert type(reloaded).__name__ == architecture
+    assert_logits_match(torch, model, reloaded, seq)
+    assert tfx.hf.load(folder).config == model.config
+    return reloaded
+
+
+def assert_same_params(ours, theirs):
+    """tfx models `ours` and `theirs` have the same parameter paths with equal values."""
+    from tfx.hf import io
+
+    ours, theirs = io.flat_params(ours), io.flat_params(theirs)
+    assert ours.keys() == theirs.keys()
+    for path in ours:
+        np.testing.assert_array_equal(ours[path], theirs[path], err_msg=str(path))
+
+
+def assert_in_memory_layout_loads(hf_model, model, folder, architecture: str, name: str):
+    """transformers' in-memory parameter names (`hf_model.state_dict()`, which has `name`),
+    written as they are to `folder`, load as the same tfx model as `model` (read from the
+    save_pretrained files)."""
+    import json
+
+    import tfx.hf
+    from tfx.hf import io
+
+    state = {key: value.numpy() for key, value in hf_model.state_dict().items()}
+    assert name in state
+    config = dict(json.loads(hf_model.config.to_json_string()), architectures=[architecture])
+    io.write_folder(folder, config, state)
+    assert_same_params(tfx.hf.load(folder), model)
+
+
+def assert_split_merge_under_jit(model, seq: int):
+    """The model split by nnx and merged back inside jax.jit gives its own logits."""
+    import jax
+    from flax import nnx
+
+    input_ids = jnp.asarray(padded_inputs(seq)[0])
+    graphdef, state = nnx.split(model)
+    jitted = jax.jit(lambda s, ids: nnx.merge(graphdef, s)(ids))(state, input_ids)
+    np.testing.assert_allclose(jitted, model(input_ids), rtol=1e-5, atol=1e-6)
+
+
+# Left-padded prompts of 7, 3 and 5 tokens for the greedy-generation tests.
+PROMPTS = [[5, 17, 42, 8, 33, 71, 12], [9, 64, 3], [22, 7, 90, 51, 14]]
 
 
 def left_padded(rows):

@@ -17,8 +17,6 @@ cache token for token as HF's generate on left-padded prompts; `tfx.hf.save` rea
 transformers (same tensors, logits and config); transformers' fused in-memory expert layout.
 """
 
-import json
-
 import numpy as np
 import pytest
 
@@ -26,19 +24,19 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from causal_lm_parity import (  # noqa: E402
+    PROMPTS,
     assert_greedy_matches,
-    assert_logits_match,
-    parity_fixture,
-    perturb,
+    assert_in_memory_layout_loads,
+    hf_causal_lm,
+    parity_tests,
+    save_round_trips,
 )
 
-import tfx.hf  # noqa: E402
 from tfx.hf import deepseek, io  # noqa: E402
 from tfx.ops.kv_cache import LatentKV  # noqa: E402
 
 DEEPSEEK = "DeepseekV3ForCausalLM"
 SEQ, NEW = 12, 12
-PROMPTS = [[5, 17, 42, 8, 33, 71, 12], [9, 64, 3], [22, 7, 90, 51, 14]]
 BASE = dict(vocab_size=99, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
             num_experts_per_tok=3, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
@@ -58,24 +56,17 @@ CASES = {
 
 
 def _hf_model(case: str):
-    torch.manual_seed(0)
-    config = transformers.DeepseekV3Config(**BASE, **CASES[case], attn_implementation="eager")
-    model = perturb(torch, transformers.DeepseekV3ForCausalLM(config).eval(), scale=0.3)
+    model = hf_causal_lm(torch, transformers, DEEPSEEK, {**BASE, **CASES[case]}, scale=0.3)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a buffer: perturb() leaves it 0
                 buffer.copy_(0.1 * torch.randn_like(buffer))
-        if config.tie_word_embeddings:  # a large tied table makes the head repeat the input
+        if model.config.tie_word_embeddings:  # a large tied table makes the head repeat the input
             model.model.embed_tokens.weight.mul_(0.1)
     return model
 
 
-loaded = parity_fixture(CASES, _hf_model)
-
-
-def test_logits_match_transformers(loaded):
-    _, hf_model, model = loaded
-    assert_logits_match(torch, model, hf_model, SEQ)
+loaded, test_logits_match_transformers = parity_tests(torch, CASES, _hf_model, SEQ)
 
 
 def test_config_mapping(loaded):
@@ -115,17 +106,12 @@ def test_greedy_generation_matches_transformers(loaded):
 
 def test_save_round_trips_through_transformers(loaded, tmp_path):
     _, hf_model, model = loaded
-    tfx.hf.save(model, tmp_path, architecture=DEEPSEEK)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, attn_implementation="eager").eval()
-    assert type(reloaded).__name__ == DEEPSEEK
+    reloaded = save_round_trips(torch, transformers, model, tmp_path, DEEPSEEK, SEQ)
     assert reloaded.config.num_nextn_predict_layers == 0  # tfx writes no MTP layers
     original, saved = hf_model.state_dict(), reloaded.state_dict()
     assert saved.keys() == original.keys()
     for name, tensor in saved.items():
         torch.testing.assert_close(tensor, original[name], rtol=0, atol=0, msg=name)
-    assert_logits_match(torch, model, reloaded, SEQ)
-    assert tfx.hf.load(tmp_path).config == model.config
 
 
 @pytest.mark.parametrize("loaded", ["lora-groups"], indirect=True)
@@ -133,14 +119,8 @@ def test_fused_layout_loads_like_per_expert(loaded, tmp_path):
     """transformers 5's in-memory names (experts fused [E, 2f, d], gate rows first) give the
     same model as the per-expert files."""
     _, hf_model, model = loaded
-    state = {name: value.numpy() for name, value in hf_model.state_dict().items()}
-    assert "model.layers.1.mlp.experts.gate_up_proj" in state
-    config = dict(json.loads(hf_model.config.to_json_string()), architectures=[DEEPSEEK])
-    io.write_folder(tmp_path, config, state)
-    ours, theirs = io.flat_params(tfx.hf.load(tmp_path)), io.flat_params(model)
-    assert ours.keys() == theirs.keys()
-    for path in ours:
-        np.testing.assert_array_equal(ours[path], theirs[path], err_msg=str(path))
+    assert_in_memory_layout_loads(hf_model, model, tmp_path, DEEPSEEK,
+                                  "model.layers.1.mlp.experts.gate_up_proj")
 
 
 def _tiny(**fields):

@@ -25,15 +25,18 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from causal_lm_parity import assert_logits_match, parity_fixture, perturb  # noqa: E402
+from causal_lm_parity import (  # noqa: E402
+    PROMPTS,
+    assert_greedy_matches,
+    hf_causal_lm,
+    parity_tests,
+    save_round_trips,
+)
 
-import tfx  # noqa: E402
-import tfx.hf  # noqa: E402
 from tfx.hf import gemma  # noqa: E402
 
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 SEQ, WINDOW, NEW = 12, 4, 12
-PROMPTS = [[5, 17, 42, 8, 33, 71, 12], [9, 64, 3], [22, 7, 90, 51, 14]]
 BASE = dict(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
             rms_norm_eps=1e-6, sliding_window=WINDOW, query_pre_attn_scalar=24)
@@ -49,21 +52,15 @@ _CLASSES = {GEMMA2: transformers.Gemma2Config, GEMMA3: transformers.Gemma3TextCo
 
 def _hf_model(case: str):
     architecture, overrides = CASES[case]
-    torch.manual_seed(0)
-    config = _CLASSES[architecture](**BASE, **overrides, attn_implementation="eager")
-    model = perturb(torch, getattr(transformers, architecture)(config).eval(), scale=0.3)
-    if config.tie_word_embeddings:  # see the module docstring
+    model = hf_causal_lm(torch, transformers, architecture, {**BASE, **overrides}, scale=0.3,
+                         config_class=_CLASSES[architecture])
+    if model.config.tie_word_embeddings:  # see the module docstring
         with torch.no_grad():
             model.model.embed_tokens.weight.mul_(0.05)
     return model
 
 
-loaded = parity_fixture(CASES, _hf_model)
-
-
-def test_logits_match_transformers(loaded):
-    _, hf_model, model = loaded
-    assert_logits_match(torch, model, hf_model, SEQ)
+loaded, test_logits_match_transformers = parity_tests(torch, CASES, _hf_model, SEQ)
 
 
 def test_config_mapping(loaded):
@@ -82,41 +79,17 @@ def test_config_mapping(loaded):
         assert (c.rope.theta, c.rope.scaling.factor, c.rope.local_theta) == (100.0, 2.0, 10.0)
 
 
-def _left_padded(rows):
-    width = max(map(len, rows))
-    ids, mask = np.zeros((len(rows), width), np.int64), np.zeros((len(rows), width), np.int64)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
-    return ids, mask
-
-
 def test_greedy_generation_matches_transformers(loaded):
     _, hf_model, model = loaded
-    ids, mask = _left_padded(PROMPTS)
-    config = hf_model.generation_config  # no EOS: both run the full length
-    config.eos_token_id, config.pad_token_id = None, 0
-    with torch.no_grad():
-        out = hf_model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                                do_sample=False, max_new_tokens=NEW, return_dict_in_generate=True)
+    out = assert_greedy_matches(torch, model, hf_model, PROMPTS, NEW)
     # HF's cache: window - 1 keys on the sliding layers, every key on the full one.
     assert [type(layer).__name__ for layer in out.cache.layers] == [
         "DynamicSlidingWindowLayer", "DynamicLayer", "DynamicSlidingWindowLayer"]
-    expected = out.sequences.numpy()
-    assert expected.shape == (len(PROMPTS), ids.shape[1] + NEW)
-    assert all(len(set(row)) >= 3 for row in expected[:, ids.shape[1]:].tolist())
-    ours = tfx.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, temperature=0.0)
-    np.testing.assert_array_equal(np.asarray(ours), expected)
 
 
 def test_save_round_trips_through_transformers(loaded, tmp_path):
     case, hf_model, model = loaded
-    architecture = CASES[case][0]
-    tfx.hf.save(model, tmp_path, architecture=architecture)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, attn_implementation="eager").eval()
-    assert type(reloaded).__name__ == architecture
-    assert_logits_match(torch, model, reloaded, SEQ)
-    assert tfx.hf.load(tmp_path).config == model.config
+    reloaded = save_round_trips(torch, transformers, model, tmp_path, CASES[case][0], SEQ)
     # Weights come back as transformers wrote them; a norm's w = (1 + w) - 1 may round, but
     # 1 + w, what transformers multiplies by, is the same float32.
     original, saved = hf_model.state_dict(), reloaded.state_dict()

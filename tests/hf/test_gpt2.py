@@ -6,23 +6,19 @@ variant with an untied head, a ReLU MLP and an explicit n_inner. Inputs are a ri
 batch; logits are compared at the real positions.
 """
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from causal_lm_parity import (  # noqa: E402
-    assert_logits_match,
-    padded_inputs,
-    parity_fixture,
-    perturb,
+    assert_split_merge_under_jit,
+    hf_causal_lm,
+    parity_tests,
+    save_round_trips,
 )
 
-import tfx.hf  # noqa: E402
 from tfx.hf import gpt2, io  # noqa: E402
 from tfx.models import create  # noqa: E402
 
@@ -38,18 +34,10 @@ CASES = {
 
 
 def _hf_model(case: str):
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(**BASE, **CASES[case], attn_implementation="eager")
-    model = transformers.GPT2LMHeadModel(config).eval()
-    return perturb(torch, model)
+    return hf_causal_lm(torch, transformers, ARCH, {**BASE, **CASES[case]})
 
 
-loaded = parity_fixture(CASES, _hf_model)
-
-
-def test_logits_match_transformers(loaded):
-    _, hf_model, model = loaded
-    assert_logits_match(torch, model, hf_model, SEQ)
+loaded, test_logits_match_transformers = parity_tests(torch, CASES, _hf_model, SEQ)
 
 
 def test_config_mapping(loaded):
@@ -64,21 +52,13 @@ def test_config_mapping(loaded):
 
 def test_save_round_trips_through_transformers(loaded, tmp_path):
     _, _, model = loaded
-    tfx.hf.save(model, tmp_path / "out", architecture=ARCH)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", attn_implementation="eager").eval()
-    assert type(reloaded).__name__ == ARCH
-    assert_logits_match(torch, model, reloaded, SEQ)
-    assert tfx.hf.load(tmp_path / "out").config == model.config
+    save_round_trips(torch, transformers, model, tmp_path / "out", ARCH, SEQ)
 
 
 @pytest.mark.parametrize("loaded", ["tied-gelu_new"], indirect=True)
 def test_functional_split_merge_under_jit(loaded):
     _, _, model = loaded
-    input_ids = jnp.asarray(padded_inputs(SEQ)[0])
-    graphdef, state = nnx.split(model)
-    jitted = jax.jit(lambda s, ids: nnx.merge(graphdef, s)(ids))(state, input_ids)
-    np.testing.assert_allclose(jitted, model(input_ids), rtol=1e-5, atol=1e-6)
+    assert_split_merge_under_jit(model, SEQ)
 
 
 def test_fields_left_out_take_gpt2_defaults():

@@ -7,23 +7,18 @@ sliding window narrower than the sequence (with head_dim · heads != hidden_size
 right-padded batch; logits are compared at the real positions.
 """
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from causal_lm_parity import (  # noqa: E402
-    assert_logits_match,
-    padded_inputs,
-    parity_fixture,
-    perturb,
+    assert_split_merge_under_jit,
+    hf_causal_lm,
+    parity_tests,
+    save_round_trips,
 )
 
-import tfx.hf  # noqa: E402
 from tfx.hf import io, llama  # noqa: E402
 from tfx.models import DecoderConfig, create  # noqa: E402
 from tfx.ops.positional import DynamicNTKScaling, NTKScaling  # noqa: E402
@@ -53,19 +48,10 @@ CASES = {
 
 def _hf_model(case: str):
     architecture, overrides = CASES[case]
-    config_class = {LLAMA: transformers.LlamaConfig, MISTRAL: transformers.MistralConfig}
-    torch.manual_seed(0)
-    config = config_class[architecture](**{**BASE, **overrides}, attn_implementation="eager")
-    model = getattr(transformers, architecture)(config).eval()
-    return perturb(torch, model)
+    return hf_causal_lm(torch, transformers, architecture, {**BASE, **overrides})
 
 
-loaded = parity_fixture(CASES, _hf_model)
-
-
-def test_logits_match_transformers(loaded):
-    _, hf_model, model = loaded
-    assert_logits_match(torch, model, hf_model, SEQ)
+loaded, test_logits_match_transformers = parity_tests(torch, CASES, _hf_model, SEQ)
 
 
 def test_config_mapping(loaded):
@@ -80,22 +66,13 @@ def test_config_mapping(loaded):
 
 def test_save_round_trips_through_transformers(loaded, tmp_path):
     case, _, model = loaded
-    architecture = CASES[case][0]
-    tfx.hf.save(model, tmp_path / "out", architecture=architecture)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", attn_implementation="eager").eval()
-    assert type(reloaded).__name__ == architecture
-    assert_logits_match(torch, model, reloaded, SEQ)
-    assert tfx.hf.load(tmp_path / "out").config == model.config
+    save_round_trips(torch, transformers, model, tmp_path / "out", CASES[case][0], SEQ)
 
 
 @pytest.mark.parametrize("loaded", ["gqa-untied", "mistral-window"], indirect=True)
 def test_functional_split_merge_under_jit(loaded):
     _, _, model = loaded
-    input_ids = jnp.asarray(padded_inputs(SEQ)[0])
-    graphdef, state = nnx.split(model)
-    jitted = jax.jit(lambda s, ids: nnx.merge(graphdef, s)(ids))(state, input_ids)
-    np.testing.assert_allclose(jitted, model(input_ids), rtol=1e-5, atol=1e-6)
+    assert_split_merge_under_jit(model, SEQ)
 
 
 def test_legacy_rope_fields_read_like_rope_parameters():

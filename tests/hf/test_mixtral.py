@@ -8,18 +8,17 @@ save_pretrained writes them (one tensor per expert, `block_sparse_moe`) and in t
 fused in-memory layout (`mlp.experts.gate_up_proj` / `down_proj`).
 """
 
-import json
-
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from causal_lm_parity import (  # noqa: E402
+    assert_in_memory_layout_loads,
     assert_logits_match,
-    parity_fixture,
-    perturb,
+    hf_causal_lm,
+    parity_tests,
+    save_round_trips,
 )
 
 import tfx.hf  # noqa: E402
@@ -41,17 +40,10 @@ CASES = {
 
 
 def _hf_model(case: str):
-    torch.manual_seed(0)
-    config = transformers.MixtralConfig(**{**BASE, **CASES[case]}, attn_implementation="eager")
-    return perturb(torch, transformers.MixtralForCausalLM(config).eval())
+    return hf_causal_lm(torch, transformers, MIXTRAL, {**BASE, **CASES[case]})
 
 
-loaded = parity_fixture(CASES, _hf_model)
-
-
-def test_logits_match_transformers(loaded):
-    _, hf_model, model = loaded
-    assert_logits_match(torch, model, hf_model, SEQ)
+loaded, test_logits_match_transformers = parity_tests(torch, CASES, _hf_model, SEQ)
 
 
 def test_config_mapping(loaded):
@@ -72,31 +64,18 @@ def test_config_mapping(loaded):
 
 def test_save_round_trips_through_transformers(loaded, tmp_path):
     _, _, model = loaded
-    tfx.hf.save(model, tmp_path / "out", architecture=MIXTRAL)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", attn_implementation="eager").eval()
-    assert type(reloaded).__name__ == MIXTRAL
+    reloaded = save_round_trips(torch, transformers, model, tmp_path / "out", MIXTRAL, SEQ)
     # The loss weight is a training setting, not the model's: a save writes Mixtral's default.
     assert reloaded.config.router_aux_loss_coef == pytest.approx(0.001)
     assert not reloaded.config.output_router_logits
-    assert_logits_match(torch, model, reloaded, SEQ)
-    assert tfx.hf.load(tmp_path / "out").config == model.config
 
 
 def test_fused_layout_loads_like_per_expert(loaded, tmp_path):
     """transformers 5's own parameter names (router at mlp.gate, experts fused [E, 2f, d] with
     the gate rows first) give the same model as the per-expert files."""
     _, hf_model, model = loaded
-    state = {name: value.numpy() for name, value in hf_model.state_dict().items()}
-    assert "model.layers.0.mlp.experts.gate_up_proj" in state
-    folder = tmp_path / "fused"
-    config = dict(json.loads(hf_model.config.to_json_string()), architectures=[MIXTRAL])
-    io.write_folder(folder, config, state)
-    fused = tfx.hf.load(folder)
-    ours, theirs = io.flat_params(fused), io.flat_params(model)
-    assert ours.keys() == theirs.keys()
-    for path in ours:
-        np.testing.assert_array_equal(ours[path], theirs[path], err_msg=str(path))
+    assert_in_memory_layout_loads(hf_model, model, tmp_path / "fused", MIXTRAL,
+                                  "model.layers.0.mlp.experts.gate_up_proj")
 
 
 @pytest.mark.parametrize("loaded", ["gqa-untied"], indirect=True)

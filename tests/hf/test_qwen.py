@@ -14,24 +14,21 @@ Inputs are a right-padded batch; logits are compared at the real positions. Gree
 is compared token for token on left-padded prompts of different lengths.
 """
 
-import json
-
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 from causal_lm_parity import (  # noqa: E402
+    PROMPTS,
     assert_greedy_matches,
-    assert_logits_match,
-    parity_fixture,
-    perturb,
+    assert_in_memory_layout_loads,
+    hf_causal_lm,
+    parity_tests,
+    save_round_trips,
 )
 
-import tfx.hf  # noqa: E402
-from tfx.hf import io, qwen  # noqa: E402
+from tfx.hf import qwen  # noqa: E402
 from tfx.models import DecoderConfig  # noqa: E402
 
 QWEN2, QWEN3, MOE = "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
@@ -53,18 +50,10 @@ CASES = {
 
 def _hf_model(case: str):
     architecture, overrides = CASES[case]
-    torch.manual_seed(0)
-    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
-    config = config_class(**{**BASE, **overrides}, attn_implementation="eager")
-    return perturb(torch, getattr(transformers, architecture)(config).eval(), scale=0.3)
+    return hf_causal_lm(torch, transformers, architecture, {**BASE, **overrides}, scale=0.3)
 
 
-loaded = parity_fixture(CASES, _hf_model)
-
-
-def test_logits_match_transformers(loaded):
-    _, hf_model, model = loaded
-    assert_logits_match(torch, model, hf_model, SEQ)
+loaded, test_logits_match_transformers = parity_tests(torch, CASES, _hf_model, SEQ)
 
 
 def test_config_mapping(loaded):
@@ -93,13 +82,7 @@ def test_config_mapping(loaded):
 
 def test_save_round_trips_through_transformers(loaded, tmp_path):
     case, _, model = loaded
-    architecture = CASES[case][0]
-    tfx.hf.save(model, tmp_path / "out", architecture=architecture)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", attn_implementation="eager").eval()
-    assert type(reloaded).__name__ == architecture
-    assert_logits_match(torch, model, reloaded, SEQ)
-    assert tfx.hf.load(tmp_path / "out").config == model.config
+    save_round_trips(torch, transformers, model, tmp_path / "out", CASES[case][0], SEQ)
 
 
 @pytest.mark.parametrize("loaded", ["qwen2-window"], indirect=True)
@@ -108,8 +91,7 @@ def test_greedy_generate_matches_transformers(loaded):
     which HF decodes through sliding-window caches and tfx through window masks on its one
     linear cache."""
     _, hf_model, model = loaded
-    prompts = [[5, 17, 42, 8, 33, 71, 12], [9, 64, 3], [22, 7, 90, 51, 14]]
-    out = assert_greedy_matches(torch, model, hf_model, prompts, 12)
+    out = assert_greedy_matches(torch, model, hf_model, PROMPTS, 12)
     assert [type(layer).__name__ for layer in out.cache.layers] == [
         "DynamicLayer", "DynamicSlidingWindowLayer", "DynamicSlidingWindowLayer"]
 
@@ -119,15 +101,8 @@ def test_fused_experts_load_like_per_expert(loaded, tmp_path):
     """transformers 5's in-memory names (experts fused [E, 2f, d], gate rows first) give the
     same parameters as the per-expert tensors save_pretrained writes."""
     _, hf_model, model = loaded
-    state = {name: value.numpy() for name, value in hf_model.state_dict().items()}
-    assert "model.layers.1.mlp.experts.gate_up_proj" in state
-    config = dict(json.loads(hf_model.config.to_json_string()), architectures=[MOE])
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    safetensors_numpy.save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    ours, theirs = io.flat_params(tfx.hf.load(tmp_path)), io.flat_params(model)
-    assert ours.keys() == theirs.keys()
-    for path in ours:
-        np.testing.assert_array_equal(ours[path], theirs[path], err_msg=str(path))
+    assert_in_memory_layout_loads(hf_model, model, tmp_path / "fused", MOE,
+                                  "model.layers.1.mlp.experts.gate_up_proj")
 
 
 def test_train_settings_weigh_the_balancing_loss_like_mixtral():

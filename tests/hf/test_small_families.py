@@ -20,19 +20,18 @@ token as HF's generate on left-padded prompts of different lengths (phi3's decod
 window: tfx's ring-buffer cache against HF's sliding-window cache).
 """
 
-import json
-
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from causal_lm_parity import (  # noqa: E402
+    PROMPTS,
     assert_greedy_matches,
-    assert_logits_match,
-    parity_fixture,
-    perturb,
+    assert_in_memory_layout_loads,
+    hf_causal_lm,
+    parity_tests,
+    save_round_trips,
 )
 
 import tfx.hf  # noqa: E402
@@ -42,7 +41,6 @@ from tfx.ops.positional import LinearScaling  # noqa: E402
 
 PHI3, OLMO2, NEOX = "Phi3ForCausalLM", "Olmo2ForCausalLM", "GPTNeoXForCausalLM"
 SEQ, NEW = 12, 10
-PROMPTS = [[5, 17, 42, 8, 33, 71, 12], [9, 64, 3], [22, 7, 90, 51, 14]]
 SIZES = dict(vocab_size=99, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
              num_attention_heads=4, max_position_embeddings=64)
 LLAMA_LIKE = dict(SIZES, num_key_value_heads=2, rms_norm_eps=1e-6, pad_token_id=0,
@@ -57,25 +55,17 @@ CASES = {
         rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=100.0,
                              partial_rotary_factor=0.25))),
 }
-_CONFIGS = {PHI3: transformers.Phi3Config, OLMO2: transformers.Olmo2Config,
-            NEOX: transformers.GPTNeoXConfig}
 # Seeds whose greedy continuations visit several tokens (tiny random models often repeat one).
 _SEEDS = {"olmo2": 2, "neox-sequential": 1}
 
 
 def _hf_model(case: str):
     architecture, fields = CASES[case]
-    torch.manual_seed(_SEEDS.get(case, 0))
-    config = _CONFIGS[architecture](**fields, attn_implementation="eager")
-    return perturb(torch, getattr(transformers, architecture)(config).eval(), scale=0.3)
+    return hf_causal_lm(torch, transformers, architecture, fields, seed=_SEEDS.get(case, 0),
+                        scale=0.3)
 
 
-loaded = parity_fixture(CASES, _hf_model)
-
-
-def test_logits_match_transformers(loaded):
-    _, hf_model, model = loaded
-    assert_logits_match(torch, model, hf_model, SEQ)
+loaded, test_logits_match_transformers = parity_tests(torch, CASES, _hf_model, SEQ)
 
 
 def test_config_mapping(loaded):
@@ -113,13 +103,7 @@ def test_greedy_generation_matches_transformers(loaded):
 
 def test_save_round_trips_through_transformers(loaded, tmp_path):
     case, _, model = loaded
-    architecture = CASES[case][0]
-    tfx.hf.save(model, tmp_path, architecture=architecture)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, attn_implementation="eager").eval()
-    assert type(reloaded).__name__ == architecture
-    assert_logits_match(torch, model, reloaded, SEQ)
-    assert tfx.hf.load(tmp_path).config == model.config
+    save_round_trips(torch, transformers, model, tmp_path, CASES[case][0], SEQ)
 
 
 @pytest.mark.parametrize("loaded", ["neox-parallel"], indirect=True)
@@ -127,14 +111,8 @@ def test_neox_in_memory_names_load_like_saved_ones(loaded, tmp_path):
     """transformers 5's own parameter names (the head at lm_head, not embed_out) give the same
     model as the save_pretrained files."""
     _, hf_model, model = loaded
-    state = {name: value.numpy() for name, value in hf_model.state_dict().items()}
-    assert "lm_head.weight" in state and "embed_out.weight" not in state
-    config = dict(json.loads(hf_model.config.to_json_string()), architectures=[NEOX])
-    io.write_folder(tmp_path, config, state)
-    ours, theirs = io.flat_params(tfx.hf.load(tmp_path)), io.flat_params(model)
-    assert ours.keys() == theirs.keys()
-    for path in ours:
-        np.testing.assert_array_equal(ours[path], theirs[path], err_msg=str(path))
+    assert "embed_out.weight" not in hf_model.state_dict()
+    assert_in_memory_layout_loads(hf_model, model, tmp_path, NEOX, "lm_head.weight")
 
 
 def test_neox_older_config_fields():

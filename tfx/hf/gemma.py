@@ -256,15 +256,11 @@ def _to_hf(path: tuple, value: np.ndarray) -> np.ndarray:
 
 def tensor_names(config: DecoderConfig) -> dict[tuple, str]:
     """tfx path -> HF tensor name, for every parameter of the model."""
-    names = llama.tensor_names(config)  # embeddings, head, projections, input and final norms
+    names = llama.tensor_names(config)  # embeddings, head, projections, q/k, input, final norms
     for i in range(config.num_layers):
         layer, hf = ("stack", "layers", i), f"model.layers.{i}"
         # Gemma's post_attention_layernorm is the attention's output norm (LLaMA's mlp_norm).
         names[(*layer, "attention_output_norm", "scale")] = f"{hf}.post_attention_layernorm.weight"
         names[(*layer, "mlp_norm", "scale")] = f"{hf}.pre_feedforward_layernorm.weight"
         names[(*layer, "mlp_output_norm", "scale")] = f"{hf}.post_feedforward_layernorm.weight"
-        if config.attention.qk_norm is not None:  # Gemma 3
-            for ours, theirs in (("query_norm", "q_norm"), ("key_norm", "k_norm")):
-                names[(*layer, "attention", ours, "norm", "scale")] = \
-                    f"{hf}.self_attn.{theirs}.weight"
     return names
