@@ -97,6 +97,13 @@ def test_greedy_generate_matches_transformers(loaded):
 
 
 @pytest.mark.parametrize("loaded", ["moe-renorm"], indirect=True)
+def test_greedy_generate_with_experts_matches_transformers(loaded):
+    """Qwen 3 MoE (a dense first layer, top-2 renormalised experts): the same tokens."""
+    _, hf_model, model = loaded
+    assert_greedy_matches(torch, model, hf_model, PROMPTS, 8)
+
+
+@pytest.mark.parametrize("loaded", ["moe-renorm"], indirect=True)
 def test_fused_experts_load_like_per_expert(loaded, tmp_path):
     """transformers 5's in-memory names (experts fused [E, 2f, d], gate rows first) give the
     same parameters as the per-expert tensors save_pretrained writes."""
