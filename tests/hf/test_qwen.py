@@ -96,9 +96,10 @@ def test_greedy_generate_matches_transformers(loaded):
         "DynamicLayer", "DynamicSlidingWindowLayer", "DynamicSlidingWindowLayer"]
 
 
-@pytest.mark.parametrize("loaded", ["moe-renorm"], indirect=True)
-def test_greedy_generate_with_experts_matches_transformers(loaded):
-    """Qwen 3 MoE (a dense first layer, top-2 renormalised experts): the same tokens."""
+@pytest.mark.parametrize("loaded", ["qwen3-bias", "moe-renorm"], indirect=True)
+def test_greedy_generate_of_qwen3_matches_transformers(loaded):
+    """Qwen 3 (q/k norms, head_dim apart from the width, attention biases) and Qwen 3 MoE (a
+    dense first layer, top-2 renormalised experts): the same tokens."""
     _, hf_model, model = loaded
     assert_greedy_matches(torch, model, hf_model, PROMPTS, 8)
 
