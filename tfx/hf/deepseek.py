@@ -83,12 +83,11 @@ OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
 IGNORED = (*llama.IGNORED, r"model\.layers\.61\..*")
 
 # What every DeepSeek-V3 is, in tfx terms: set on load, checked on save.
-_FIXED = {"position": "rope", "rope.fraction": 1.0, "rope.local_theta": None,
-          "norm.kind": "rms", "norm.pre_norm": True, "norm.inputs": True, "norm.outputs": False,
-          "norm.eps": 1e-6, "mlp.gated": True, "mlp.activation": "silu", "mlp.parallel": False,
-          "attention.pattern": None, "attention.softcap": None, "attention.sliding_window": None,
+_FIXED = {**llama.PLAIN_PARTS, "position": "rope", "rope.fraction": 1.0, "norm.kind": "rms",
+          "norm.pre_norm": True, "norm.eps": 1e-6, "mlp.gated": True, "mlp.activation": "silu",
+          "attention.pattern": None, "attention.sliding_window": None,
           "attention.layer_types": None, "attention.out_bias": None, "embeddings.scale": False,
-          "use_bias": False, "logit_softcap": None}
+          "use_bias": False}
 _MOE_FIXED = {"moe.every": 1, "moe.capacity_factor": None, "moe.policy": "deepseek"}
 _LAYOUTS = {True: "interleaved", False: "half"}  # rope_interleave -> rope.layout
 _LATENT_FIELDS = tuple(field.name for field in dataclasses.fields(LatentConfig))

@@ -51,13 +51,14 @@ _HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "sil
 _ACTIVATIONS = {**{hf: tfx for tfx, hf in _HF_ACTIVATIONS.items()},
                 "gelu_pytorch_tanh": "gelu_tanh"}
 # What every GPT-NeoX is, in tfx terms (checked again on export).
-_FIXED = {"position": "rope", "rope.layout": "half", "rope.local_theta": None,
-          "norm.kind": "layer", "norm.pre_norm": True, "norm.inputs": True,
-          "norm.outputs": False, "mlp.gated": False, "use_bias": True,
+# GPT-NeoX may have either residual (use_parallel_residual): mlp.parallel is not fixed.
+_FIXED = {**{part: value for part, value in llama.PLAIN_PARTS.items() if part != "mlp.parallel"},
+          "position": "rope", "rope.layout": "half", "norm.kind": "layer", "norm.pre_norm": True,
+          "mlp.gated": False, "use_bias": True,
           "attention.num_kv_heads": None, "attention.head_dim": None, "attention.scale": None,
           "attention.sliding_window": None, "attention.pattern": None,
-          "attention.layer_types": None, "attention.softcap": None, "attention.qk_norm": None,
-          "embeddings.scale": False, "logit_softcap": None, "latent": None, "moe": None}
+          "attention.layer_types": None, "attention.qk_norm": None, "embeddings.scale": False,
+          "latent": None, "moe": None}
 # GPTNeoXConfig's defaults, for config.json files that leave a field out.
 _DEFAULTS = dict(vocab_size=50432, hidden_size=6144, num_hidden_layers=44,
                  num_attention_heads=64, intermediate_size=24576, hidden_act="gelu",

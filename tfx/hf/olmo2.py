@@ -35,13 +35,11 @@ OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
 IGNORED = llama.IGNORED  # rotary frequency buffers of older checkpoints
 
 # What every OLMo 2 is, in tfx terms (checked again on export).
-_FIXED = {"position": "rope", "rope.layout": "half", "rope.fraction": 1.0,
-          "rope.local_theta": None, "norm.kind": "rms", "norm.pre_norm": True,
-          "norm.inputs": False, "norm.outputs": True, "mlp.gated": True, "mlp.activation": "silu",
-          "mlp.parallel": False, "attention.qk_norm": "across_heads", "attention.scale": None,
-          "attention.pattern": None, "attention.sliding_window": None,
-          "attention.layer_types": None, "attention.softcap": None, "embeddings.scale": False,
-          "logit_softcap": None, "latent": None, "moe": None}
+_FIXED = {**llama.PLAIN_PARTS, "position": "rope", "rope.layout": "half", "rope.fraction": 1.0,
+          "norm.kind": "rms", "norm.pre_norm": True, "norm.inputs": False, "norm.outputs": True,
+          "mlp.gated": True, "mlp.activation": "silu", "attention.qk_norm": "across_heads",
+          "attention.scale": None, "attention.pattern": None, "attention.sliding_window": None,
+          "attention.layer_types": None, "embeddings.scale": False, "latent": None, "moe": None}
 # Olmo2Config's defaults, for config.json files that leave a field out.
 _DEFAULTS = dict(vocab_size=50304, hidden_size=4096, intermediate_size=11008,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,

@@ -43,12 +43,10 @@ OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
 IGNORED = llama.IGNORED  # rotary frequency buffers of older checkpoints
 
 # What every Phi-3 is, in tfx terms (checked again on export).
-_FIXED = {"position": "rope", "rope.layout": "half", "rope.scaling": None,
-          "rope.local_theta": None, "norm.kind": "rms", "norm.pre_norm": True,
-          "norm.inputs": True, "norm.outputs": False, "mlp.gated": True, "mlp.activation": "silu",
-          "mlp.parallel": False, "attention.scale": None, "attention.pattern": None,
-          "attention.layer_types": None, "attention.softcap": None, "attention.qk_norm": None,
-          "embeddings.scale": False, "logit_softcap": None, "latent": None, "moe": None}
+_FIXED = {**llama.PLAIN_PARTS, "position": "rope", "rope.layout": "half", "rope.scaling": None,
+          "norm.kind": "rms", "norm.pre_norm": True, "mlp.gated": True, "mlp.activation": "silu",
+          "attention.scale": None, "attention.pattern": None, "attention.layer_types": None,
+          "attention.qk_norm": None, "embeddings.scale": False, "latent": None, "moe": None}
 # Phi3Config's defaults, for config.json files that leave a field out.
 _DEFAULTS = dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
