@@ -1,7 +1,12 @@
-"""Decoding with a KV cache: `generate` (greedy and sampling) and `beam_search`
-(encoder–decoder models)."""
+"""Decoding with a KV cache: `generate` (greedy and sampling), `beam_search`
+(encoder–decoder models) and `speculative_generate` (a draft model proposes, the target
+verifies)."""
 
 from tfx.generation.beam_search import beam_search
+from tfx.generation.early_exit import early_exit_draft
+from tfx.generation.engine import Engine, Result
 from tfx.generation.generate import bucket_length, generate
+from tfx.generation.speculative import speculative_generate
 
-__all__ = ["beam_search", "bucket_length", "generate"]
+__all__ = ["Engine", "Result", "beam_search", "bucket_length", "early_exit_draft", "generate",
+           "speculative_generate"]

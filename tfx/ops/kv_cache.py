@@ -150,6 +150,29 @@ class KVCache:
         return KVCache(layers=layers, positions=self.positions[rows],
                        next_position=self.next_position[rows], window=self.window)
 
+    def rewind(self, next_position: jax.Array) -> KVCache:
+        """This cache with every token at true position >= `next_position` forgotten, e.g. the
+        draft tokens that speculative decoding rejected: those slots become empty (position -1,
+        so no query sees them) and each row continues at its new next position. The keys and
+        values stay in place until the next tokens overwrite them; positions alone decide what
+        is visible.
+
+        Args:
+          next_position: int [batch]; a row already shorter keeps its length (rewinding never
+            invents tokens).
+        Returns:
+          the rewound KVCache (same layers, positions and next_position updated).
+        Raises:
+          ValueError: for a ring buffer (sliding window shorter than the cache), whose slots
+            already hold later tokens in place of the earlier ones that a rewind would need.
+        """
+        if self.window is not None:
+            raise ValueError(f"a ring-buffer KV cache (sliding window {self.window} shorter than "
+                             f"the sequence) cannot be rewound: its slots were overwritten")
+        next_position = jnp.minimum(jnp.asarray(next_position, jnp.int32), self.next_position)
+        positions = jnp.where(self.positions >= next_position[:, None], -1, self.positions)
+        return dataclasses.replace(self, positions=positions, next_position=next_position)
+
     def plan(self, valid: jax.Array) -> tuple[CacheStep, KVCache]:
         """Place a call's new tokens.
 
