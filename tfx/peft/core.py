@@ -11,7 +11,8 @@ from flax import nnx
 
 from tfx.nn.paths import path_name
 
-__all__ = ["PeftParam", "extend", "find_modules", "path_matcher", "retract", "set_module"]
+__all__ = ["PeftParam", "extend", "extended_class", "find_modules", "path_matcher", "retract",
+           "set_module"]
 
 
 class PeftParam(nnx.Param):
@@ -31,7 +32,7 @@ def extend(module: nnx.Module, mixin: type) -> nnx.Module:
     RematBlock, another extension) keeps it: the new class derives from both."""
     cls = type(module)
     if not issubclass(cls, mixin):
-        module.__class__ = _extended(mixin, cls)
+        module.__class__ = extended_class(mixin, cls)
     return module
 
 
@@ -45,7 +46,9 @@ def retract(module: nnx.Module, mixin: type) -> nnx.Module:
 
 
 @functools.cache
-def _extended(mixin: type, cls: type) -> type:
+def extended_class(mixin: type, cls: type) -> type:
+    """The class deriving from `mixin` (a subclass of cls's kind) and `cls`, made once: mixin
+    itself when cls is its direct base, so a plain module gets the plain mixin."""
     if cls in mixin.__bases__:
         return mixin
     return type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {"__module__": mixin.__module__})

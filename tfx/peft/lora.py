@@ -12,7 +12,9 @@ The factors are their own pytree, `LoRAWeights` ({module path: Factors(a, b)} an
 
 `LoRA(rank=..., ...).attach(model, rngs=...)` does init + attach in one call, as every method
 in `tfx.peft` does. Targets are `nnx.Linear` layers (attention and MLP projections, heads) and
-token embeddings, named as peft's `target_modules` are (see `tfx.peft.core.path_matcher`).
+token embeddings, named as peft's `target_modules` are (see `tfx.peft.core.path_matcher`). A
+subclass of either (a quantized layer of `tfx.quant`: QLoRA) keeps its own forward under the
+factors, and a frozen weight of another variable kind than `nnx.Param` is adapted as well.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from flax import nnx
 
 from tfx.nn.embeddings import TokenEmbedding
 from tfx.nn.paths import path_name
-from tfx.peft.core import find_modules, path_matcher, set_module
+from tfx.peft.core import extended_class, find_modules, path_matcher, retract, set_module
 from tfx.peft.lora_modules import LoRAEmbedding, LoRALinear
 
 __all__ = ["Factors", "LoRA", "LoRAWeights", "attach", "detach", "init", "merge", "unmerge",
@@ -88,7 +90,8 @@ class LoRA:
 
     def attach(self, model: nnx.Module, *, rngs: nnx.Rngs) -> nnx.Module:
         """Add freshly initialised factors to `model`'s targets, in place; returns the model."""
-        weights = init(rngs.params(), nnx.state(model, nnx.Param), rank=self.rank,
+        # Every variable kind: a frozen base need not be an nnx.Param (tfx.quant's are not).
+        weights = init(rngs.params(), nnx.state(model), rank=self.rank,
                        alpha=self.alpha, targets=self.targets, init_style=self.init_style,
                        init_scale=self.init_scale, rslora=self.rslora)
         return attach(model, weights, dropout=self.dropout, rngs=rngs)
@@ -97,9 +100,10 @@ class LoRA:
 def init(rng: jax.Array, state: nnx.State, *, rank: int, alpha: float,
          targets: str | tuple[str, ...], init_style: str = "peft", init_scale: float = 0.05,
          rslora: bool = False) -> LoRAWeights:
-    """Factors for every weight of `state` (a model's `nnx.Param` state) whose module path
-    matches `targets`: `kernel` [..., d_in, d_out] of linear layers and `table` [vocab, d] of
-    embeddings. ΔW = scale·a·b is zero at init in every style.
+    """Factors for every weight of `state` (a model's `nnx.Param` state, or its whole state)
+    whose module path matches `targets`: `kernel` [..., d_in, d_out] of linear layers and
+    `table` [vocab, d] of embeddings. ΔW = scale·a·b is zero at init in every style. Factors
+    take the weight's dtype; a weight stored as integers (quantized) gets float32 factors.
 
     Raises ValueError for targets that match nothing (listing what can be adapted) and for a
     rank outside [1, min(d_in, d_out)] of a target.
@@ -132,14 +136,17 @@ def init(rng: jax.Array, state: nnx.State, *, rank: int, alpha: float,
                 a = jax.random.uniform(key, a_shape, jnp.float32, -bound, bound)
             else:
                 a = init_scale * jax.random.normal(key, a_shape, jnp.float32)
-        factors[path] = Factors(a.astype(weight.dtype), b.astype(weight.dtype))
+        dtype = weight.dtype if jnp.issubdtype(weight.dtype, jnp.floating) else jnp.float32
+        factors[path] = Factors(a.astype(dtype), b.astype(dtype))
     return LoRAWeights(factors, alpha / (math.sqrt(rank) if rslora else rank))
 
 
 def attach(model: nnx.Module, weights: LoRAWeights, *, dropout: float = 0.0,
            rngs: nnx.Rngs | None = None) -> nnx.Module:
     """Replace each targeted layer of `model` by its LoRA form holding `weights`' factors as
-    `PeftParam`s (in place; the frozen weights keep their paths). Returns the model."""
+    `PeftParam`s (in place; the frozen weights keep their paths). Returns the model. The LoRA
+    form of a subclass of `nnx.Linear` / `TokenEmbedding` derives from that subclass too, so
+    its own forward (e.g. a quantized kernel's) runs under the low-rank update."""
     modules = dict((path_name(p), (p, m)) for p, m in
                    find_modules(model, (nnx.Linear, TokenEmbedding)))
     for path, factors in weights.factors.items():
@@ -159,10 +166,11 @@ def attach(model: nnx.Module, weights: LoRAWeights, *, dropout: float = 0.0,
         if isinstance(module, nnx.Linear):
             if dropout and base.ndim > 2:
                 raise ValueError("LoRA dropout needs unstacked layers (compute.scan_layers=False)")
-            new = LoRALinear(module, factors.a, factors.b, scale=weights.scale,
-                             dropout=dropout, rngs=rngs)
+            new = extended_class(LoRALinear, type(module))(
+                module, factors.a, factors.b, scale=weights.scale, dropout=dropout, rngs=rngs)
         else:
-            new = LoRAEmbedding(module, factors.a, factors.b, scale=weights.scale)
+            new = extended_class(LoRAEmbedding, type(module))(module, factors.a, factors.b,
+                                                              scale=weights.scale)
         set_module(model, graph_path, new)
     return model
 
@@ -205,6 +213,9 @@ def _shifted(state, weights: LoRAWeights, sign: float):
         if leaf not in _WEIGHT_NAMES or module not in weights.factors:
             return value
         found.add(module)
+        if not jnp.issubdtype(value.dtype, jnp.floating):
+            raise ValueError(f"cannot merge LoRA factors into {module}, stored as {value.dtype} "
+                             "(quantized): keep the factors attached instead")
         f = weights.factors[module]
         delta = jnp.matmul(f.a.astype(jnp.float32), f.b.astype(jnp.float32))
         return (value.astype(jnp.float32) + sign * weights.scale * delta).astype(value.dtype)
@@ -227,19 +238,12 @@ def _adaptable(state: nnx.State) -> dict[str, tuple[str, jax.Array]]:
 
 
 def _plain(module: LoRALinear | LoRAEmbedding) -> nnx.Linear | TokenEmbedding:
-    """The layer `module` adapted: its settings, its weight Variables, no factors."""
-    if isinstance(module, LoRALinear):
-        plain = nnx.eval_shape(lambda: nnx.Linear(
-            module.in_features, module.out_features, use_bias=module.use_bias,
-            dtype=module.dtype, param_dtype=module.param_dtype, precision=module.precision,
-            dot_general=module.dot_general, preferred_element_type=module.preferred_element_type,
-            rngs=nnx.Rngs(0)))
-        plain.kernel, plain.bias = module.kernel, module.bias
-    else:
-        plain = nnx.eval_shape(lambda: TokenEmbedding(
-            module.vocab_size, 1, one_hot=module.one_hot, dtype=module.dtype, rngs=nnx.Rngs(0)))
-        plain.table = module.table
-    return plain
+    """The layer `module` adapted, in place: its class (nnx.Linear, TokenEmbedding or the
+    subclass the LoRA form derived from) and its weight Variables, no factors."""
+    for name in ("lora_a", "lora_b", "scale", "lora_dropout"):
+        if hasattr(module, name):
+            delattr(module, name)
+    return retract(module, LoRALinear if isinstance(module, LoRALinear) else LoRAEmbedding)
 
 
 def _check_settings(rank, alpha, init_style, init_scale) -> None:
