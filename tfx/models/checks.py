@@ -33,6 +33,7 @@ from jax.experimental import checkify
 
 from tfx.models.config import TransformerConfig
 from tfx.ops.kv_cache import KVCache
+from tfx.ops.paged import PagedCache
 
 __all__ = ["as_array", "cache_room", "checked", "ids_and_mask", "ids_array", "in_range",
            "int_array", "positions", "same_shape", "sequence_fits", "token_ids"]
@@ -213,19 +214,22 @@ def _leading(offset: int) -> str:
     return f" - {offset} leading vectors" if offset else ""
 
 
-def cache_room(name: str, cache: KVCache, valid, config: TransformerConfig) -> None:
+def cache_room(name: str, cache: KVCache | PagedCache, valid, config: TransformerConfig) -> None:
     """Require a call's tokens to fit its KV cache.
 
     A linear cache holds positions [0, cache_len); a learned position table [0, config.max_len).
-    A ring buffer (sliding window) has no limit of its own.
+    A ring buffer (sliding window) has no limit of its own; a paged cache holds
+    pages_per_seq * page_size.
 
     Args:
       name: the tokens' argument, for the message.
-      cache: the KVCache the call continues.
+      cache: the KVCache or PagedCache the call continues.
       valid: bool [batch, q_len], the call's real tokens (padding takes no slot).
     """
     limits = []
-    if cache.window is None:
+    if isinstance(cache, PagedCache):
+        limits.append((cache.capacity, "the page table holds (pages_per_seq * page_size)"))
+    elif cache.window is None:
         limits.append((cache.positions.shape[1], "the KV cache holds (init_cache max_len)"))
     if config.position == "learned":
         limits.append((config.max_len, "the learned position table holds (config.max_len)"))

@@ -24,6 +24,7 @@ from tfx.ops.kv_cache import (
     init_memory,
 )
 from tfx.ops.masks import padding_mask
+from tfx.ops.paged import PagedCache
 
 __all__ = ["Decoder"]
 
@@ -47,7 +48,7 @@ class Decoder(nnx.Module):
 
     def __call__(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None,
                  position_ids: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                 cache: KVCache | SegmentMemory | None = None):
+                 cache: KVCache | PagedCache | SegmentMemory | None = None):
         """Next-token logits.
 
         Args:
@@ -61,7 +62,9 @@ class Decoder(nnx.Module):
           cache: from `init_cache`: a KVCache (the tokens continue each sequence at its own next
             position; padding, marked by attention_mask, takes no position), or for
             position="xl" a SegmentMemory (the tokens follow the memory; pad on the left).
-            A linear KVCache must have room for the tokens (a ring buffer always has).
+            A linear KVCache must have room for the tokens (a ring buffer always has). Or a
+            `tfx.ops.paged.PagedCache` whose page table has pages for the tokens (rotary,
+            learned, sinusoidal or no positions; no sliding window; see `tfx.generation.Engine`).
         Returns:
           float32 [batch, seq, vocab_size]; with a cache, also the updated cache.
         Raises:
@@ -78,7 +81,8 @@ class Decoder(nnx.Module):
         return self.logits(hidden), cache
 
     def hidden_states(self, input_ids, *, attention_mask=None, position_ids=None,
-                      segment_ids=None, cache: KVCache | SegmentMemory | None = None):
+                      segment_ids=None,
+                      cache: KVCache | PagedCache | SegmentMemory | None = None):
         """[batch, seq] -> the final-normalised hidden states [batch, seq, d_model] (and the
         updated cache when one is given). Leading vectors (`embeddings.num_leading`) run before
         the tokens and their positions are dropped (with a cache, `init_cache` ran them)."""

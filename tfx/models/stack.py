@@ -9,7 +9,7 @@ from flax import nnx
 from tfx.models.block import Block, RematBlock, dtypes
 from tfx.models.config import EncoderConfig, TransformerConfig
 from tfx.nn import axes
-from tfx.nn.caches import KVLayer, SegmentLayer
+from tfx.nn.caches import SegmentLayer, kv_cache_layer
 from tfx.nn.dropout import make_dropout
 from tfx.nn.embeddings import LearnedPositions, SinusoidalPositions, TokenEmbedding
 from tfx.nn.norms import make_norm
@@ -151,7 +151,8 @@ class Stack(nnx.Module):
           cache: per-layer self-attention caches (`KVCache.layers`), with `cache_step`;
             visibility then comes from the cache's positions. Or per-layer Transformer-XL
             memories (`SegmentMemory.hidden`) alone, with `mask` from `SegmentMemory.mask`.
-          cache_step: the call's `CacheStep`, with a KV cache.
+          cache_step: the call's `CacheStep` with a KV cache, or `PagedStep` with a paged one
+            (`tfx.ops.paged`).
           token_mask: bool [batch, seq], False for padding tokens, which mixture-of-experts
             layers then route nowhere.
         Returns:
@@ -173,7 +174,7 @@ class Stack(nnx.Module):
         visibility = {window: self._visibility(mask, window, cache is not None, cache_step)
                       for window in set(self.windows)}
         per_layer_context = isinstance(context, LayerKV | tuple)
-        kind = SegmentLayer if cache_step is None else (lambda kv: KVLayer(kv, cache_step))
+        kind = SegmentLayer if cache_step is None else (lambda kv: kv_cache_layer(kv, cache_step))
         if self.scan_layers:
             args = shared | visibility[self.windows[0]]  # scanned layers are all alike
 

@@ -14,7 +14,6 @@ from flax import nnx
 from tfx.nn import axes
 from tfx.nn.caches import Keys, NoCache, cache_for
 from tfx.nn.positions import Position
-from tfx.ops import dot_product_attention
 from tfx.ops.attention import IMPLEMENTATIONS
 from tfx.ops.kv_cache import LayerKV
 from tfx.ops.sparse import SparsitySpec
@@ -148,13 +147,8 @@ class Attention(nnx.Module):
             key_segment_ids), x)
         query, position_bias = self.position.bias(query, positions, keys.positions, keys.kv_len)
         keys = self.attended(keys.with_bias(position_bias))
-        out = dot_product_attention(
-            query, keys.key, keys.value, bias=keys.bias, mask=keys.mask,
-            is_causal=keys.is_causal, scale=self.scale, softcap=self.softcap,
-            sparsity=keys.sparsity,
-            query_segment_ids=keys.query_segment_ids, key_segment_ids=keys.key_segment_ids,
-            implementation=self.implementation, block_sizes=self.block_sizes,
-            heads_major=keys.heads_major)
+        out = keys.attention(query, scale=self.scale, softcap=self.softcap,
+                             implementation=self.implementation, block_sizes=self.block_sizes)
         out = self.out(out.reshape(*x.shape[:2], self.num_heads * self.head_dim))
         return out if cache is None else (out, cache)
 

@@ -12,8 +12,11 @@ KV cache, linear or ring buffer (the `tfx.ops.kv_cache.CacheStep` of the call de
 heads-major keys; it serves a latent cache (`LatentKV`) the same way: multi-head latent
 attention hands it its latent and rotary key as the `Keys`' key and value, and expands what it
 gets back (`tfx.nn.latent_attention`). `SegmentLayer` is Transformer-XL's memory of earlier
-inputs; `CrossKV` a cross-attention's keys and values computed once per encoder output. A
-new kind (paged) is one new class here.
+inputs; `CrossKV` a cross-attention's keys and values computed once per encoder output.
+`PagedLayer` is one layer's page pool of a paged cache (`tfx.ops.paged`): it writes the new keys
+into their pages and hands the kernel `PagedKeys`, which attend through the page table
+(`tfx.ops.paged_attention`) instead of a contiguous cache. `kv_cache_layer` picks the kind of a
+KV-cache layer from the call's step.
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from tfx.ops.attention import dot_product_attention
 from tfx.ops.kv_cache import CacheStep, LatentKV, LayerKV, write
 from tfx.ops.masks import combine_masks
+from tfx.ops.paged import PagedKV, PagedStep, write_pages
+from tfx.ops.paged_attention import PAGED_IMPLEMENTATIONS, paged_attention
 from tfx.ops.sparse import SparsitySpec
 
-__all__ = ["CrossKV", "KVLayer", "Keys", "NoCache", "SegmentLayer", "cache_for"]
+__all__ = ["CrossKV", "KVLayer", "Keys", "NoCache", "PagedKeys", "PagedLayer", "SegmentLayer",
+           "cache_for", "kv_cache_layer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +68,18 @@ class Keys:
         if bias is None:
             return self
         return dataclasses.replace(self, bias=bias if self.bias is None else self.bias + bias)
+
+    def attention(self, query: jax.Array, *, scale: float | None, softcap: float | None,
+                  implementation: str | None,
+                  block_sizes: tuple[int, int] | None) -> jax.Array:
+        """[batch, q_len, num_heads, head_dim] -> [batch, q_len, num_heads, value_dim]:
+        `tfx.ops.dot_product_attention` of the queries over these keys."""
+        return dot_product_attention(
+            query, self.key, self.value, bias=self.bias, mask=self.mask,
+            is_causal=self.is_causal, scale=scale, softcap=softcap, sparsity=self.sparsity,
+            query_segment_ids=self.query_segment_ids, key_segment_ids=self.key_segment_ids,
+            implementation=implementation, block_sizes=block_sizes,
+            heads_major=self.heads_major)
 
 
 class NoCache:
@@ -127,6 +146,60 @@ class SegmentLayer(NoCache):
         source = jnp.concatenate([self.hidden.astype(x.dtype), x], axis=1)
         return dataclasses.replace(keys, positions=None), jax.lax.stop_gradient(
             source[:, x.shape[1]:])
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKeys(Keys):
+    """A layer's page pools (key, value [num_kv_heads, num_pages, page_size, head_dim]) read
+    through `page_table` [batch, pages_per_seq]; a query at `query_positions` [batch, q_len]
+    p sees the logical positions 0..p (p < 0: padding). Visibility is all positional: no mask,
+    bias or sparsity can be added (ALiBi, T5 bias, attention patterns and sliding windows are
+    not served by a paged cache)."""
+
+    page_table: jax.Array | None = None
+    query_positions: jax.Array | None = None
+
+    @property
+    def kv_len(self) -> int:
+        return self.page_table.shape[1] * self.key.shape[2]
+
+    def attention(self, query, *, scale, softcap, implementation, block_sizes):
+        """`tfx.ops.paged_attention`; `implementation` applies when it names a paged kernel
+        ("reference", "blocked"), else the platform's choice runs; block_sizes is unused."""
+        extras = [name for name in ("mask", "bias", "sparsity", "query_segment_ids")
+                  if getattr(self, name) is not None]
+        if extras or self.is_causal:
+            raise ValueError(f"a paged cache takes visibility from positions only; this call "
+                             f"also has {extras or ['is_causal']} (ALiBi, T5 bias, sliding "
+                             "windows and attention patterns need a dense KV cache)")
+        kernel = implementation if implementation in PAGED_IMPLEMENTATIONS else None
+        return paged_attention(query, self.key, self.value, self.page_table,
+                               self.query_positions, scale=scale, softcap=softcap,
+                               implementation=kernel)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedLayer(NoCache):
+    """One layer's page pools (`PagedKV`) of a paged cache and the call's `PagedStep`: writes
+    the call's keys into their pages, then attends through the page table."""
+
+    kv: PagedKV
+    step: PagedStep
+
+    def query_positions(self, positions, q_len):
+        return self.step.query_positions
+
+    def attend(self, keys, x):
+        kv = write_pages(self.kv, keys.key, keys.value, self.step)
+        return PagedKeys(kv.key, kv.value, mask=keys.mask, bias=keys.bias,
+                         sparsity=keys.sparsity, page_table=self.step.page_table,
+                         query_positions=self.step.query_positions), kv
+
+
+def kv_cache_layer(kv: LayerKV | LatentKV | PagedKV, step: CacheStep | PagedStep) -> NoCache:
+    """The cache kind of one layer for a call planned as `step`: `PagedLayer` for a paged
+    cache's `PagedStep`, else `KVLayer`."""
+    return (PagedLayer if isinstance(step, PagedStep) else KVLayer)(kv, step)
 
 
 def cache_for(cache: NoCache | None, context: jax.Array | LayerKV | None) -> NoCache:

@@ -21,6 +21,10 @@ Mixture of experts:
 | gpu      | "ragged": `jax.lax.ragged_dot`   | "ragged": `jax.lax.ragged_all_to_all`   |
 | tpu      | "megablox": the Pallas `gmm`     | "ragged": `jax.lax.ragged_all_to_all`   |
 | cpu      | "sorted": tfx's blocked matmul   | "fixed": capacity buffers, `all_to_all` |
+
+Paged attention (`tfx.ops.paged_attention`): `PAGED_PREFERENCE` per platform, `PAGED_NEEDS` per
+kernel, as for attention: jax's Pallas paged kernels on GPU and TPU for decoding steps (one query
+per sequence), else tfx's "blocked" (page loop, online softmax) or "reference" (gather pages).
 """
 
 from __future__ import annotations
@@ -40,16 +44,22 @@ __all__ = [
     "ATTENTION_NEEDS",
     "ATTENTION_PREFERENCE",
     "BLOCKED_MIN_SCORES",
+    "PAGED_IMPLEMENTATIONS",
+    "PAGED_NEEDS",
+    "PAGED_PREFERENCE",
     "PLATFORMS",
     "AttentionCase",
+    "PagedCase",
     "attention_unavailable",
     "current_platform",
     "default_compute_dtype",
+    "paged_unavailable",
     "platform_name",
     "select_attention",
     "select_context_exchange",
     "select_expert_all_to_all",
     "select_grouped_matmul",
+    "select_paged_attention",
     "supports_ragged_all_to_all",
 ]
 
@@ -315,3 +325,67 @@ def select_expert_all_to_all(platform: str) -> str:
     """The exchange of `expert_parallel_moe` for `platform`: "ragged" (exactly the routed rows,
     where `ragged_all_to_all` exists) or "fixed" (capacity-sized buffers, `all_to_all`)."""
     return "ragged" if supports_ragged_all_to_all(platform) else "fixed"
+
+
+PAGED_IMPLEMENTATIONS = ("reference", "blocked", "pallas_gpu", "pallas_tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedCase:
+    """The static facts of one paged-attention call: query length, the page table's width,
+    page size, head and value dims and the dtype."""
+
+    q_len: int
+    pages_per_seq: int
+    page_size: int
+    head_dim: int
+    value_dim: int
+    dtype: np.dtype
+
+
+def _one_query(platform, case):
+    if case.q_len != 1:
+        return f"one query per sequence (a decoding step; got q_len {case.q_len})"
+
+
+def _paged_gpu_shapes(platform, case):
+    # Triton's dot needs 16 on each side; the kernel reads keys and values with one layout.
+    if case.head_dim % 16 or case.value_dim != case.head_dim or case.page_size % 16:
+        return (f"head_dim a multiple of 16, value_dim == head_dim and page_size a multiple of "
+                f"16 (got {case.head_dim}, {case.value_dim}, {case.page_size})")
+
+
+def _paged_tpu_shapes(platform, case):
+    # The TPU kernel tiles a page's tokens over the 128 lanes of a vector register.
+    if case.value_dim != case.head_dim or case.page_size % 128:
+        return (f"value_dim == head_dim and page_size a multiple of 128 (got {case.value_dim}, "
+                f"{case.head_dim}, {case.page_size})")
+
+
+PAGED_NEEDS: dict[str, tuple[Need, ...]] = {
+    "reference": (),
+    "blocked": (),
+    "pallas_gpu": (_on("gpu", "cpu"), _dtype_in("float16", "bfloat16", "float32"), _one_query,
+                   _paged_gpu_shapes, _x64_disabled),
+    "pallas_tpu": (_on("tpu"), _dtype_in("float32", "bfloat16"), _one_query,
+                   _paged_tpu_shapes),
+}
+PAGED_PREFERENCE: dict[str, tuple[str, ...]] = {"gpu": ("pallas_gpu",), "tpu": ("pallas_tpu",)}
+
+
+def paged_unavailable(implementation: str, platform: str, case: PagedCase) -> list[str]:
+    """What paged `implementation` needs that this call lacks on `platform` (empty: runs)."""
+    platform = platform_name(platform)
+    needs = (need(platform, case) for need in PAGED_NEEDS[implementation])
+    return [missing for missing in needs if missing is not None]
+
+
+def select_paged_attention(platform: str, case: PagedCase) -> str:
+    """The paged-attention kernel for `case` on `platform`: the platform's Pallas kernel when it
+    can run (decoding steps), else "blocked" once the gathered scores would reach
+    BLOCKED_MIN_SCORES (as for dense attention), else "reference"."""
+    for implementation in PAGED_PREFERENCE.get(platform_name(platform), ()):
+        if not paged_unavailable(implementation, platform, case):
+            return implementation
+    kv_len = case.pages_per_seq * case.page_size
+    return "blocked" if case.q_len * kv_len >= BLOCKED_MIN_SCORES else "reference"
