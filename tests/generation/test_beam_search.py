@@ -169,8 +169,11 @@ def test_bad_arguments(model, kwargs, error, match):
     assert _beam_search._cache_size() == compiled  # refused before tracing anything
 
 
-def test_decoder_only_model_is_refused():
-    decoder = create("char-gpt", rngs=nnx.Rngs(0), num_layers=1, d_model=32, num_heads=4,
-                     attention={"num_kv_heads": 2}, d_ff=64)
-    with pytest.raises(TypeError, match="EncoderDecoder"):
-        beam_search(decoder, np.ones((1, 3), np.int32), num_beams=2, max_new_tokens=2)
+def test_a_model_that_does_not_decode_is_refused():
+    """An encoder (BERT) has no next-token logits; decoders are tested in
+    test_decoder_beam_search.py."""
+    encoder = create("bert-base", rngs=nnx.Rngs(0), num_layers=1, d_model=32, num_heads=4,
+                     d_ff=64, vocab_size=97)
+    with pytest.raises(TypeError, match="model must be a tfx Decoder or EncoderDecoder, got "
+                                        "Encoder"):
+        beam_search(encoder, np.ones((1, 3), np.int32), num_beams=2, max_new_tokens=2)

@@ -4,7 +4,9 @@ One call is one compiled program: prefill the whole prompt in a single model cal
 `lax.while_loop` that feeds one token per step through the cache until `max_new_tokens` or until
 every sequence has produced EOS. It is compiled once per (model structure, batch, prompt-length
 bucket, max_new_tokens, which filters are on); the sampling values (temperature, top_k, top_p)
-and the prompt itself are ordinary inputs, so changing them does not recompile.
+and the prompt itself are ordinary inputs, so changing them does not recompile. Logits
+processors (`tfx.generation.processors`) run inside the loop: which are on is part of the
+program, their values are inputs.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import numpy as np
 from flax import nnx
 
 from tfx.generation._inputs import integer, pad_id, prompt_and_mask, real, source_fits, token_ids
-from tfx.generation._outputs import lengths
+from tfx.generation._steps import prefill, step
+from tfx.generation.processors import LogitsProcessors, logits_processors
 from tfx.models.decoder import Decoder
 from tfx.models.encoder_decoder import EncoderDecoder
 from tfx.ops.sampling import sample_logits
@@ -26,6 +29,7 @@ from tfx.ops.sampling import sample_logits
 __all__ = ["bucket_length", "generate"]
 
 MIN_BUCKET = 16
+NO_PROCESSORS = LogitsProcessors()
 
 
 def bucket_length(length: int, limit: int | None = None) -> int:
@@ -39,7 +43,11 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              rng: jax.Array | None = None, attention_mask=None,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
-             bucket: bool = True, return_lengths: bool = False):
+             bucket: bool = True, return_lengths: bool = False,
+             repetition_penalty: float | None = None, no_repeat_ngram_size: int | None = None,
+             min_new_tokens: int | None = None,
+             bad_words_ids: Sequence[Sequence[int]] | None = None,
+             stop_sequences: Sequence[Sequence[int]] | None = None):
     """Continue prompts with a KV cache.
 
     Args:
@@ -61,6 +69,13 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
         share one compiled program.
       return_lengths: also return each row's length (the numpy convention of
         `return_index=`-style flags: the result becomes a tuple).
+      repetition_penalty, no_repeat_ngram_size, min_new_tokens, bad_words_ids: logits
+        processors with transformers' names and meanings, applied in its order before the
+        temperature / top-k / top-p (`tfx.generation.processors`). They see a row's real
+        tokens only: its prompt without padding (for an encoder–decoder, the decoder start
+        token), then the new tokens. min_new_tokens needs eos_token_id.
+      stop_sequences: token id sequences; a row whose newest tokens complete one ends there,
+        as with EOS (the sequence stays, `pad_token_id` follows). It may begin in the prompt.
     Returns:
       int32 [batch, prompt_len + max_new_tokens] for decoders (the prompt as given, padding
       included, then the new tokens), or [batch, 1 + max_new_tokens] for encoder–decoders
@@ -68,7 +83,8 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
       lengths int32 [batch], the columns before the new tokens (all prompt_len columns of a
       decoder's prompt, left or right padding included; the start token of an encoder–decoder)
       plus the new tokens up to and including the row's first EOS (all max_new_tokens without
-      one), so `tokens[i, :lengths[i]]` is row i without its filler; subtract the prompt
+      one; up to a stop sequence's end likewise), so `tokens[i, :lengths[i]]` is row i
+      without its filler; subtract the prompt
       mask's zeros for a count of real tokens.
     Raises:
       ValueError: before anything compiles, for an argument out of range (numbers may be
@@ -85,90 +101,102 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
     filters = _check_sampling(temperature, top_k, top_p, rng)
     eos = token_ids("eos_token_id", eos_token_id, config.vocab_size)
     pad_token_id = pad_id(config, pad_token_id, eos)
-    prompt_len = ids.shape[1]
+    processors = logits_processors(
+        config.vocab_size, eos, repetition_penalty=repetition_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens,
+        bad_words_ids=bad_words_ids, stop_sequences=stop_sequences)
     if seq2seq:
-        needed, cap = 1 + max_new_tokens, config.max_len
-        source_fits(config, prompt_len)
+        source_fits(config, ids.shape[1])
+        _fits(1, max_new_tokens, config.max_len)
+        # An encoder's source keeps its layout (absolute positions see real tokens where they
+        # were), padded on the right.
+        pad = (bucket_length(ids.shape[1], config.max_len) if bucket else ids.shape[1]) - \
+            ids.shape[1]
+        padded_ids, padded_mask = (np.pad(x, ((0, 0), (0, pad))) for x in (ids, mask))
     else:
-        needed = int(mask.sum(axis=1).max()) + max_new_tokens
-        cap = config.max_len - max_new_tokens
-    if needed > config.max_len:
-        raise ValueError(f"prompt ({needed - max_new_tokens} tokens) + max_new_tokens "
-                         f"({max_new_tokens}) exceeds the model's max_len ({config.max_len})")
-    padded_len = bucket_length(prompt_len, cap) if bucket else prompt_len
-    pad = padded_len - prompt_len
-    # An encoder's source keeps its layout (absolute positions see real tokens where they were),
-    # padded on the right; a decoder's prompt is left-aligned, which places tokens exactly as
-    # given (positions follow the mask) and keeps Transformer-XL memories contiguous.
-    padded_ids = np.pad(ids, ((0, 0), (0, pad)))
-    padded_mask = np.pad(mask, ((0, 0), (0, pad)))
-    if not seq2seq:
-        padded_ids, padded_mask = _left_aligned(padded_ids, padded_mask)
+        padded_ids, padded_mask = decoder_prompt(config, ids, mask, max_new_tokens,
+                                                 bucket=bucket)
     graphdef, state = nnx.split(model)
-    tokens = _generate(graphdef, state, jax.device_put(padded_ids.astype(np.int32)),
-                       jnp.asarray(padded_mask), rng, filters, jnp.asarray(eos or [-1], jnp.int32),
-                       jnp.int32(pad_token_id), max_new_tokens=max_new_tokens)
+    tokens, ends = _generate(graphdef, state, jax.device_put(padded_ids.astype(np.int32)),
+                             jnp.asarray(padded_mask), rng, filters,
+                             jnp.asarray(eos or [-1], jnp.int32), jnp.int32(pad_token_id),
+                             processors, max_new_tokens=max_new_tokens)
     # Assembled on the host: a device concatenate would compile once per prompt length.
     first = np.full((ids.shape[0], 1), config.decoder_start_token_id) if seq2seq else ids
-    tokens = np.asarray(tokens)
-    out = jax.device_put(np.concatenate([first, tokens], axis=1).astype(np.int32))
+    out = jax.device_put(np.concatenate([first, np.asarray(tokens)], axis=1).astype(np.int32))
     if not return_lengths:
         return out
-    return out, jax.device_put(lengths(tokens, eos, first.shape[1]))
+    return out, jax.device_put((first.shape[1] + np.asarray(ends)).astype(np.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
-def _generate(graphdef, state, ids, mask, rng, filters, eos, pad_token_id, *,
-              max_new_tokens: int) -> jax.Array:
+def _generate(graphdef, state, ids, mask, rng, filters, eos, pad_token_id,
+              processors: LogitsProcessors = NO_PROCESSORS, *, max_new_tokens: int):
     """The compiled program: prefill, then a while loop of cached single-token steps.
-    Returns int32 [batch, max_new_tokens]."""
+    Returns int32 [batch, max_new_tokens] tokens and int32 [batch] the new tokens of each row
+    up to and including the one that ended it (EOS or a stop sequence's last; all without)."""
     model = nnx.merge(graphdef, state)
-    batch = ids.shape[0]
-    if isinstance(model, EncoderDecoder):
-        encoded = model.encode(ids, attention_mask=mask)
-        cache = model.init_cache(encoded, max_new_tokens + 1, attention_mask=mask)
-        start = jnp.full((batch,), model.config.decoder_start_token_id, jnp.int32)
-        head = None
-        logits, cache = _step(model, head, start, cache)
-    else:  # prompts arrive left-aligned: every row's last real token is the last column
-        cache = model.init_cache(batch, min(ids.shape[1] + max_new_tokens, model.config.max_len))
-        hidden, cache = model.hidden_states(ids, attention_mask=mask, cache=cache)
-        head = model.output_weights()  # laid out once, outside the loop
-        logits = model.logits(hidden[:, -1:], head)[:, 0]
+    logits, cache, head, prompt, prompt_valid = prefill(model, ids, mask, copies=1,
+                                                        max_new_tokens=max_new_tokens)
+    batch, width = prompt.shape
+    new = jnp.arange(max_new_tokens)
 
-    def choose(logits, i, done):
+    def choose(logits, i, tokens, done, ends):
+        history = jnp.concatenate([prompt, tokens], axis=1)
+        logits = processors(logits, history, jnp.concatenate(
+            [prompt_valid, jnp.broadcast_to(new < i, tokens.shape)], axis=1), width + i, i)
         key = None if rng is None else jax.random.fold_in(rng, i)
-        token = sample_logits(logits, key, **filters)
-        token = jnp.where(done, pad_token_id, token)
-        return token, done | jnp.isin(token, eos)
+        token = jnp.where(done, pad_token_id, sample_logits(logits, key, **filters))
+        tokens = tokens.at[:, i].set(token)
+        stopped = processors.stopped(
+            jnp.concatenate([prompt, tokens], axis=1),
+            jnp.concatenate([prompt_valid, jnp.broadcast_to(new <= i, tokens.shape)], axis=1),
+            width + i + 1)
+        ended = ~done & (jnp.isin(token, eos) | stopped)
+        return token, tokens, done | ended, jnp.where(ended, i + 1, ends)
 
-    token, done = choose(logits, 0, jnp.zeros((batch,), bool))
-    tokens = jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32).at[:, 0].set(token)
+    tokens = jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32)
+    start = choose(logits, 0, tokens, jnp.zeros((batch,), bool),
+                   jnp.full((batch,), max_new_tokens, jnp.int32))
 
     def unfinished(carry):
-        i, *_, done = carry
+        i, *_, done, _ = carry
         return (i < max_new_tokens) & ~jnp.all(done)
 
     def advance(carry):
-        i, (weights, head), token, cache, tokens, done = carry
-        logits, cache = _step(nnx.merge(graphdef, weights), head, token, cache)
-        token, done = choose(logits, i, done)
-        return i + 1, (weights, head), token, cache, tokens.at[:, i].set(token), done
+        i, (weights, head), token, cache, tokens, done, ends = carry
+        logits, cache = step(nnx.merge(graphdef, weights), head, token, cache)
+        token, tokens, done, ends = choose(logits, i, tokens, done, ends)
+        return i + 1, (weights, head), token, cache, tokens, done, ends
 
     # The weights ride in the loop carry (unchanged) rather than being closed over: NNX modules
     # refuse values from an outer trace under a nested one (nnx.scan of stacked layers).
-    carry = (jnp.int32(1), (state, head), token, cache, tokens, done)
-    return jax.lax.while_loop(unfinished, advance, carry)[4]
+    carry = (jnp.int32(1), (state, head), start[0], cache, *start[1:])
+    carry = jax.lax.while_loop(unfinished, advance, carry)
+    return carry[4], carry[6]
 
 
-def _step(model, head, token, cache):
-    """One token per sequence through the cache: int [batch] -> logits [batch, vocab].
-    head: a decoder's `output_weights()` (None for encoder–decoders)."""
-    if isinstance(model, EncoderDecoder):
-        logits, cache = model.decode(token[:, None], cache=cache)
-        return logits[:, -1], cache
-    hidden, cache = model.hidden_states(token[:, None], cache=cache)
-    return model.logits(hidden[:, -1], head), cache
+def decoder_prompt(config, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, *,
+                   bucket: bool) -> tuple[np.ndarray, np.ndarray]:
+    """A decoder's prompts as its decoding loops take them (shared with `beam_search`): checked
+    to fit max_len with the new tokens, padded (masked) to `bucket_length` when bucket, and
+    left-aligned, which places tokens exactly as given (positions follow the mask), keeps
+    Transformer-XL memories contiguous and puts every row's last token in the last column.
+
+    ids: int [batch, length]; mask: bool [batch, length], on the host. Returns both
+    [batch, padded length].
+    """
+    _fits(int(mask.sum(axis=1).max()), max_new_tokens, config.max_len)
+    width = bucket_length(ids.shape[1], config.max_len - max_new_tokens) if bucket else \
+        ids.shape[1]
+    pad = ((0, 0), (0, width - ids.shape[1]))
+    return _left_aligned(np.pad(ids, pad), np.pad(mask, pad))
+
+
+def _fits(prompt: int, max_new_tokens: int, max_len: int) -> None:
+    if prompt + max_new_tokens > max_len:
+        raise ValueError(f"prompt ({prompt} tokens) + max_new_tokens ({max_new_tokens}) "
+                         f"exceeds the model's max_len ({max_len})")
 
 
 def _left_aligned(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
