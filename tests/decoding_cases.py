@@ -2,6 +2,7 @@
 prompts, shared by the processor and decoder beam-search tests (tests/generation)."""
 
 import numpy as np
+import pytest
 from causal_lm_parity import PROMPTS, hf_causal_lm, left_padded, through_folder
 
 NEW = 12  # new tokens per row
@@ -29,12 +30,42 @@ def load_pair(torch, transformers, case: str, folder):
     return hf_model, through_folder(hf_model, folder)
 
 
+def pairs_fixture():
+    """A module-scoped fixture for a test module to bind (`pairs = pairs_fixture()`): (torch,
+    transformers, a function case -> `load_pair(...)`, each case built once, when first
+    asked for)."""
+    @pytest.fixture(scope="module")
+    def pairs(tmp_path_factory):
+        torch = pytest.importorskip("torch")
+        transformers = pytest.importorskip("transformers")
+        built = {}
+
+        def pair(case):
+            if case not in built:
+                built[case] = load_pair(torch, transformers, case,
+                                        tmp_path_factory.mktemp(case))
+            return built[case]
+
+        return torch, transformers, pair
+
+    return pairs
+
+
 def hf_generate(torch, hf_model, ids, mask, **kwargs) -> np.ndarray:
     """transformers' greedy or beam generate (kwargs: its generation arguments) of NEW tokens,
     int64 [rows, prompt + NEW]: padded with PAD to the full width (transformers stops at the
     longest row)."""
+    return hf_generate_scored(torch, hf_model, ids, mask, **kwargs)[0]
+
+
+def hf_generate_scored(torch, hf_model, ids, mask, **kwargs):
+    """`hf_generate`'s tokens and transformers' `sequences_scores` (beam search; else None)."""
     with torch.no_grad():
         out = hf_model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
                                 do_sample=False, max_new_tokens=NEW, pad_token_id=PAD,
-                                **kwargs).numpy()
-    return np.pad(out, ((0, 0), (0, ids.shape[1] + NEW - out.shape[1])), constant_values=PAD)
+                                return_dict_in_generate=True, output_scores=True, **kwargs)
+    tokens = out.sequences.numpy()
+    tokens = np.pad(tokens, ((0, 0), (0, ids.shape[1] + NEW - tokens.shape[1])),
+                    constant_values=PAD)
+    scores = getattr(out, "sequences_scores", None)
+    return tokens, None if scores is None else scores.numpy()

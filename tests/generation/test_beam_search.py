@@ -62,6 +62,9 @@ SETTINGS = [
          max_new_tokens=20),
     dict(num_beams=2, length_penalty=0.5, early_stopping=False, eos_token_id=65,
          max_new_tokens=20),
+    # Processors over the decoder's tokens, the start token included (as transformers).
+    dict(num_beams=3, length_penalty=1.0, early_stopping=False, eos_token_id=51,
+         repetition_penalty=1.4, no_repeat_ngram_size=2, bad_words_ids=[[56], [31, 82]]),
 ]
 
 

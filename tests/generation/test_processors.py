@@ -8,7 +8,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from decoding_cases import NEW, PAD, hf_generate, load_pair, prompts
+from decoding_cases import NEW, PAD, hf_generate, pairs_fixture, prompts
 from flax import nnx
 
 import tfx
@@ -17,12 +17,13 @@ from tfx.models import Decoder, DecoderConfig
 from tfx.ops import logits_processors as ops
 
 P = 7  # prompt columns
+pairs = pairs_fixture()
 VOCAB = 7  # for the torch-free maths: a small vocabulary, so that tokens repeat
 
 
 def _history(seed: int, vocab: int = VOCAB):
-    """Random int [4, 20] tokens in [0, vocab) with left padding of 0..5 slots and slots >= 15 unfilled:
-    (history, valid, pads, end)."""
+    """Random int [4, 20] tokens in [0, vocab) with left padding of 0..5 slots and slots
+    >= 15 unfilled: (history, valid, pads, end)."""
     rng = np.random.default_rng(seed)
     history = rng.integers(0, vocab, size=(4, 20))
     pads, end = np.array([0, 2, 5, 3]), 15
@@ -72,21 +73,6 @@ def test_sequences_against_naive():
         banned = {w[-1] for w in words if tokens[len(tokens) - len(w) + 1:] == list(w[:-1])}
         assert set(np.flatnonzero(np.isinf(out[row]))) == banned
     assert hit[2, 4] and np.isinf(out[2, 6])  # the cases that need a match do match
-
-
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
-    """torch and a function case -> (transformers' model, tfx's), each built once."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    built = {}
-
-    def pair(case):
-        if case not in built:
-            built[case] = load_pair(torch, transformers, case, tmp_path_factory.mktemp(case))
-        return built[case]
-
-    return torch, transformers, pair
 
 
 # Each setting from greedy's new tokens [3, NEW] without processors, so that it bites: the
