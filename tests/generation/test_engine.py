@@ -9,7 +9,6 @@ from flax import nnx
 
 import tfx
 from tfx.generation import Engine
-from tfx.generation._paged_step import paged_step
 from tfx.generation.pages import PageAllocator
 from tfx.models import Decoder, DecoderConfig
 
@@ -70,13 +69,12 @@ def test_greedy_tokens_equal_generate_alone_under_random_arrivals(position, scan
 def test_generate_returns_results_in_prompt_order_and_compiles_two_programs():
     model = _decoder()
     prompts = [[1, 2, 3], list(range(5, 25)), [7]]
-    before = paged_step._cache_size()
     engine = Engine(model, num_pages=12, page_size=4, max_batch=2, chunk=8)
     results = engine.generate(prompts, max_new_tokens=[4, 6, 3])
     assert [r.request_id for r in results] == [0, 1, 2]
     for prompt, new, result in zip(prompts, [4, 6, 3], results, strict=True):
         np.testing.assert_array_equal(result.tokens, _alone(model, prompt, new))
-    assert paged_step._cache_size() - before == 2  # [max_batch, chunk] and [max_batch, 1]
+    assert engine.num_programs == 2  # [max_batch, chunk] and [max_batch, 1]
 
 
 def test_sampled_tokens_do_not_depend_on_the_other_requests():

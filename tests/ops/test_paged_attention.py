@@ -11,7 +11,7 @@ import pytest
 
 from tfx.ops import backends
 from tfx.ops.paged import PagedKV, init_paged_cache, write_pages
-from tfx.ops.paged_attention import paged_attention
+from tfx.ops.paged_attention import BLOCK_TOKENS, paged_attention
 
 
 def _dense_causal(query, key_pages, value_pages, page_table, positions, scale, softcap=None):
@@ -69,6 +69,16 @@ def test_paged_attention_equals_dense_causal_attention(implementation, num_kv_he
     np.testing.assert_array_equal(out[2], 0.0)  # a row of padding queries
 
 
+def test_blocked_over_several_blocks_of_pages_and_a_padded_last_block():
+    # 40 pages of 4 tokens: blocks of BLOCK_TOKENS // 4 = 32 pages, the second one padded.
+    assert 40 * 4 > BLOCK_TOKENS and 40 % (BLOCK_TOKENS // 4)
+    query, keys, values, table, positions = _case(seed=2, num_pages=130, pages_per_seq=40)
+    out = paged_attention(*map(jnp.asarray, (query, keys, values, table, positions)),
+                          implementation="blocked")
+    expected = _dense_causal(query, keys, values, table, positions, 16 ** -0.5)
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("implementation", ["reference", "blocked"])
 def test_scale_and_softcap(implementation):
     query, keys, values, table, positions = _case(seed=1)
@@ -95,12 +105,11 @@ def test_backend_selection():
                                   head_dim=head_dim, value_dim=head_dim, dtype=np.float32)
 
     assert backends.select_paged_attention("cuda", case(1)) == "pallas_gpu"
-    assert backends.select_paged_attention("gpu", case(64)) == "reference"  # a prefill chunk
-    assert backends.select_paged_attention("gpu", case(1, head_dim=8)) == "reference"
+    assert backends.select_paged_attention("gpu", case(64)) == "blocked"  # a prefill chunk
+    assert backends.select_paged_attention("gpu", case(1, head_dim=8)) == "blocked"
     assert backends.select_paged_attention("tpu", case(1, page_size=128)) == "pallas_tpu"
-    assert backends.select_paged_attention("tpu", case(1, page_size=16)) == "reference"
-    assert backends.select_paged_attention("cpu", case(1)) == "reference"
-    assert backends.select_paged_attention("cpu", case(64, pages_per_seq=1024)) == "blocked"
+    assert backends.select_paged_attention("tpu", case(1, page_size=16)) == "blocked"
+    assert backends.select_paged_attention("cpu", case(1)) == "blocked"
 
 
 def test_plan_and_write_place_tokens_by_page_table():

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from tfx.generation._inputs import integer, prompt_and_mask, real, token_ids
-from tfx.generation._paged_step import paged_step
+from tfx.generation._paged_step import compile_step
 from tfx.generation.pages import PageAllocator
 from tfx.models.block import dtypes
 from tfx.models.decoder import Decoder
@@ -109,7 +109,8 @@ class Engine:
         self.allocator = PageAllocator(integer("num_pages", num_pages))
         self.config, self.max_len = config, config.max_len
         pages_per_seq = math.ceil(self.max_len / self.page_size)
-        self._graphdef, self._state = nnx.split(model)
+        graphdef, self._state = nnx.split(model)
+        self._step = compile_step(graphdef)
         self._cache = init_paged_cache(
             num_layers=config.num_layers, num_pages=num_pages, page_size=self.page_size,
             batch=self.max_batch, pages_per_seq=pages_per_seq, num_kv_heads=config.kv_heads,
@@ -126,6 +127,12 @@ class Engine:
     def pool_bytes(self) -> int:
         """Bytes of the page pools, all layers."""
         return self._cache.nbytes
+
+    @property
+    def num_programs(self) -> int:
+        """Programs compiled so far for the steps (at most 2: [max_batch, chunk] and
+        [max_batch, 1])."""
+        return self._step._cache_size()
 
     @property
     def num_pending(self) -> int:
@@ -258,12 +265,11 @@ class Engine:
         for row, request in running:
             temperature[row], keys[row] = request.temperature, request.key
             counts[row] = len(request.tokens)
-        cache = dataclasses.replace(self._cache, page_table=jnp.asarray(self._page_table),
-                                    next_position=jnp.asarray(self._next_position))
+        cache = dataclasses.replace(self._cache, page_table=self._page_table.copy(),
+                                    next_position=self._next_position.copy())
         valid = np.arange(ids.shape[1])[None, :] < fed[:, None]
-        chosen, self._cache = paged_step(self._graphdef, self._state, cache, jnp.asarray(ids),
-                                         jnp.asarray(valid), jnp.asarray(temperature),
-                                         jnp.asarray(keys), jnp.asarray(counts))
+        chosen, self._cache = self._step(self._state, cache, ids, valid, temperature, keys,
+                                         counts)
         return np.asarray(chosen)
 
     def _retire(self, row: int, request: _Request, reason: str) -> Result:

@@ -382,10 +382,11 @@ def paged_unavailable(implementation: str, platform: str, case: PagedCase) -> li
 
 def select_paged_attention(platform: str, case: PagedCase) -> str:
     """The paged-attention kernel for `case` on `platform`: the platform's Pallas kernel when it
-    can run (decoding steps), else "blocked" once the gathered scores would reach
-    BLOCKED_MIN_SCORES (as for dense attention), else "reference"."""
+    can run (decoding steps), else "blocked". The blocked loop reads only the pages up to the
+    furthest query, where "reference" gathers the whole page table's width: measured on CPU
+    (char-gpt shape, batch 8, 1024-token table, ~300 tokens live) a decoding step took 7.1 ms
+    against 16.9 ms."""
     for implementation in PAGED_PREFERENCE.get(platform_name(platform), ()):
         if not paged_unavailable(implementation, platform, case):
             return implementation
-    kv_len = case.pages_per_seq * case.page_size
-    return "blocked" if case.q_len * kv_len >= BLOCKED_MIN_SCORES else "reference"
+    return "blocked"

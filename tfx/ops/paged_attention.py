@@ -10,9 +10,9 @@ hold anything, e.g. -1 for "no page").
 Implementations (chosen by `tfx.ops.backends.select_paged_attention`):
 - "reference": gather every page of each sequence into [batch, num_kv_heads, kv_len, head_dim]
   and run `cached_attention` (the definition the others are tested against);
-- "blocked": a loop over logical pages with an online softmax (Rabe & Staats), reading one page
-  of each sequence per iteration; the gathered cache is never materialised, and the loop stops
-  at the furthest query's page (a dynamic trip count), so its cost follows the longest live
+- "blocked": a loop over logical pages with an online softmax (Rabe & Staats), reading a block
+  of pages (BLOCK_TOKENS keys) of each sequence per iteration; the gathered cache is never
+  materialised, and the loop stops at the furthest query's block (a dynamic trip count), so its cost follows the longest live
   sequence, not the page table's width. Inference only: a dynamic loop has no reverse mode;
 - "pallas_gpu" / "pallas_tpu": jax's Pallas paged-attention kernels
   (`jax.experimental.pallas.ops.gpu.paged_attention`, `...tpu.paged_attention`), for decoding
@@ -43,6 +43,8 @@ from tfx.ops.blocked_attention import soft_cap
 __all__ = ["PAGED_IMPLEMENTATIONS", "gather_pages", "paged_attention"]
 
 _MASKED_LOGIT = float(np.finfo(np.float32).min)
+# Keys per iteration of the blocked kernel (whole pages; one page when pages are larger).
+BLOCK_TOKENS = 128
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "implementation"))
@@ -151,21 +153,31 @@ def _reference(query, key_pages, value_pages, pages, positions, scale, softcap):
 
 
 def _blocked(query, key_pages, value_pages, pages, positions, scale, softcap):
-    """One logical page of every sequence per iteration, with an online softmax."""
+    """A block of logical pages of every sequence per iteration, with an online softmax."""
     batch, q_len, num_heads, head_dim = query.shape
     num_kv_heads, _, page_size, value_dim = value_pages.shape
     groups = num_heads // num_kv_heads
     query = query.reshape(batch, q_len, num_kv_heads, groups, head_dim)
-    # Pages after the furthest query's are invisible to every query: the loop ends there.
-    stop = jnp.minimum((jnp.max(positions) + page_size) // page_size, pages.shape[1])
+    # Blocks of about BLOCK_TOKENS keys: fewer loop iterations than one page each (each costs
+    # a fixed overhead on CPU), still small next to a sequence. The table is padded with page
+    # 0 to whole blocks; those slots lie past every query, so they are never visible.
+    per_block = max(1, min(BLOCK_TOKENS // page_size, pages.shape[1]))
+    pages = jnp.pad(pages, ((0, 0), (0, -pages.shape[1] % per_block)))
+    block = per_block * page_size
+    # Blocks after the furthest query's are invisible to every query: the loop ends there.
+    stop = (jnp.max(positions) + block) // block
 
-    def page(i, carry):
+    def gather(pool, i):  # [k, pages, s, d] -> [k, b, block, d]
+        chosen = jax.lax.dynamic_slice_in_dim(pages, i * per_block, per_block, axis=1)
+        return pool[:, chosen].reshape(num_kv_heads, batch, block, pool.shape[-1])
+
+    def step(i, carry):
         out, row_max, total = carry  # [b, k, g, t, dv], [b, k, g, t], [b, k, g, t]; float32
-        key, value = key_pages[:, pages[:, i]], value_pages[:, pages[:, i]]  # [k, b, s, d]
+        key, value = gather(key_pages, i), gather(value_pages, i)
         scores = jnp.einsum("btkgd,kbsd->bkgts", query, key,
                             preferred_element_type=jnp.float32) * jnp.float32(scale)
         scores, _ = soft_cap(scores, softcap)
-        visible = (i * page_size + jnp.arange(page_size) <= positions[..., None])[:, None, None]
+        visible = (i * block + jnp.arange(block) <= positions[..., None])[:, None, None]
         scores = jnp.where(visible, scores, _MASKED_LOGIT)
         new_max = jnp.maximum(row_max, scores.max(axis=-1))
         weights = jnp.where(visible, jnp.exp(scores - new_max[..., None]), 0.0)
@@ -176,7 +188,7 @@ def _blocked(query, key_pages, value_pages, pages, positions, scale, softcap):
         return out, new_max, total * correction + weights.sum(axis=-1)
 
     stats = (batch, num_kv_heads, groups, q_len)
-    out, _, total = jax.lax.fori_loop(0, stop, page, (
+    out, _, total = jax.lax.fori_loop(0, stop, step, (
         jnp.zeros((*stats, value_dim), jnp.float32), jnp.full(stats, _MASKED_LOGIT),
         jnp.zeros(stats, jnp.float32)))
     out = out / jnp.where(total == 0.0, 1.0, total)[..., None]  # a row seeing nothing: zeros
