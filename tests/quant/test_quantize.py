@@ -145,6 +145,27 @@ def test_a_model_loaded_from_hugging_face(tmp_path):
                                 tfx.generate(fake, IDS, max_new_tokens=4, temperature=0.0))
 
 
+def test_an_encoder_decoder_t5():
+    t5 = create("t5-small", dropout=0.0, num_layers=2, d_model=64, num_heads=2, d_ff=128,
+                vocab_size=64, rngs=nnx.Rngs(0))
+    fake, quantized = fake_quantized(t5), quantize(nnx.clone(t5), "int8")
+    np.testing.assert_allclose(quantized(IDS, decoder_input_ids=IDS[:, :4]),
+                               fake(IDS, decoder_input_ids=IDS[:, :4]), rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_equal(tfx.generate(quantized, IDS, max_new_tokens=4, temperature=0.0),
+                                tfx.generate(fake, IDS, max_new_tokens=4, temperature=0.0))
+
+
+def test_int4_blocks_are_the_written_out_formula():
+    """int4 in blocks of 64 along d_in: s = max|w| / 7.5 per block, q = clip(round(w/s), -8, 7)."""
+    layer = nnx.Linear(128, 16, rngs=nnx.Rngs(0))
+    w = layer.kernel[...].reshape(2, 64, 16)
+    s = jnp.max(jnp.abs(w), axis=1, keepdims=True) / 7.5
+    want = (jnp.clip(jnp.round(w / s), -8, 7) * s).reshape(128, 16)
+    quantized = quantize(nnx.Sequential(layer), "int4").layers[0]
+    assert quantized.kernel[...].dtype == jnp.int4 and quantized.kernel_scale.shape == (2, 16)
+    np.testing.assert_array_equal(quantized.weight(), want)
+
+
 def test_moe_routers_stay_float():
     model = quantize(create(CONFIG, moe={"num_experts": 4, "experts_per_token": 2, "d_ff": 64},
                             rngs=nnx.Rngs(0)), "int8")
