@@ -115,7 +115,7 @@ def render(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--quick", action="store_true", help="8 new tokens, 1 repeat")
     add_output_arguments(parser)
     args = parser.parse_args()
