@@ -117,3 +117,18 @@ def test_loss_decreases_and_peft_files_rebuild_the_trained_model(tmp_path):
     tokens = tfx.generate(fresh, TOKENS[:, :4], max_new_tokens=4, temperature=0.0)
     np.testing.assert_array_equal(tokens, tfx.generate(trained, TOKENS[:, :4],
                                                        max_new_tokens=4, temperature=0.0))
+
+
+def test_detach_gives_back_the_quantized_base():
+    base = quantize(create(CONFIG, rngs=nnx.Rngs(0)), "nf4")
+    model = qlora_model()
+    weights = tfx.peft.lora.detach(model)
+    assert set(weights.factors) == {p for p, m in _linears(model).items()
+                                    if p.rsplit("/", 1)[-1] in METHOD.targets}
+    assert all(type(m) is QuantizedLinear for m in _linears(model).values())
+    np.testing.assert_array_equal(model(TOKENS), base(TOKENS))
+
+
+def _linears(model) -> dict:
+    return {"/".join(map(str, p)): m for p, m in nnx.iter_graph(model)
+            if isinstance(m, nnx.Linear)}
