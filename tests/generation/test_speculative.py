@@ -56,9 +56,11 @@ def prompts():
     return ids, mask
 
 
-@pytest.mark.parametrize(("draft", "k"), [("random", 1), ("random", 3), ("target", 3),
-                                         ("early exit", 3)])
-def test_greedy_equals_the_target_alone(target, random_draft, prompts, draft, k):
+@pytest.mark.parametrize(("draft", "k", "rng"), [
+    ("random", 1, None), ("random", 3, None), ("target", 3, None), ("early exit", 3, None),
+    ("random", 3, 0),  # temperature 0 with a key: the sampling rule on one-hot distributions
+])
+def test_greedy_equals_the_target_alone(target, random_draft, prompts, draft, k, rng):
     ids, mask = prompts
     expected = tfx.generate(target, ids, attention_mask=mask, max_new_tokens=11,
                             temperature=0.0)
@@ -66,6 +68,7 @@ def test_greedy_equals_the_target_alone(target, random_draft, prompts, draft, k)
               "early exit": early_exit_draft(target, 1)}
     out, stats = speculative_generate(target, drafts[draft], ids, attention_mask=mask,
                                       max_new_tokens=11, num_draft_tokens=k, temperature=0.0,
+                                      rng=None if rng is None else jax.random.key(rng),
                                       return_stats=True)
     assert out.dtype == jnp.int32 and out.shape == (3, 9 + 11)
     np.testing.assert_array_equal(out, expected)

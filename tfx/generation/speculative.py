@@ -111,7 +111,7 @@ def speculative_generate(target: Decoder, draft: Decoder, input_ids, *, max_new_
     (graphdef_t, state_t), (graphdef_d, state_d) = nnx.split(target), nnx.split(draft)
     tokens, counts = _speculate(
         (graphdef_t, graphdef_d), (state_t, state_d), jax.device_put(padded_ids.astype(np.int32)),
-        jnp.asarray(padded_mask), jax.random.key(0) if rng is None else rng, filters,
+        jnp.asarray(padded_mask), rng, filters,
         jnp.asarray(eos or [-1], jnp.int32), jnp.int32(pad_token_id),
         max_new_tokens=max_new_tokens, num_draft=num_draft, cache_len=cache_len)
     tokens = np.asarray(tokens)  # assembled on the host, as tfx.generate does
@@ -188,7 +188,7 @@ def _speculate(graphdefs, states, ids, mask, rng, filters, eos, pad_token_id, *,
         caches.append(cache)
     heads = tuple(model.output_weights() for model in models)  # laid out once
     probs = token_probs(models[0].logits(hidden[:, -1], heads[0]), **filters)
-    first = draw(jax.random.fold_in(rng, 0), probs)
+    first = draw(_keys(rng, 1, salt=0)[0], probs)
     tokens = jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32).at[:, 0].set(first)
     zeros = jnp.zeros((batch,), jnp.int32)
     carry = _Round(i=jnp.int32(1), last=first, pending=first, caches=tuple(caches),
@@ -210,7 +210,7 @@ def _advance(carry: _Round, *, graphdefs, rng, filters, eos, pad_token_id,
     (state_t, state_d), (head_t, head_d) = carry.weights
     target_cache, draft_cache = carry.caches
     remaining = jnp.where(carry.done, 0, carry.tokens.shape[1] - carry.count)
-    draft_key, verify_key = jax.random.split(jax.random.fold_in(rng, carry.i))
+    draft_key, verify_key = _keys(rng, 2, salt=carry.i)
     drafts, draft_probs, draft_cache = _propose(
         graphdefs[1], state_d, head_d, draft_cache, carry, remaining,
         missing=draft_cache.next_position < target_cache.next_position, rng=draft_key,
@@ -248,7 +248,7 @@ def _propose(graphdef, state, head, cache: KVCache, carry: _Round, remaining, *,
     hidden, cache = draft.hidden_states(
         jnp.stack([carry.pending, carry.last], axis=1),
         attention_mask=jnp.stack([missing & live, live], axis=1), cache=cache)
-    keys = jax.random.split(rng, num_draft)
+    keys = _keys(rng, num_draft)
     probs = token_probs(draft.logits(hidden[:, -1], head), **filters)
     token = draw(keys[0], probs)
     batch, vocab = probs.shape
@@ -262,12 +262,20 @@ def _propose(graphdef, state, head, cache: KVCache, carry: _Round, remaining, *,
         previous = jax.lax.dynamic_slice_in_dim(drafts, i - 1, 1, axis=1)
         hidden, cache = draft.hidden_states(previous, attention_mask=fed, cache=cache)
         probs = token_probs(draft.logits(hidden[:, -1], head), **filters)
-        token = draw(keys[i], probs)
+        token = draw(None if rng is None else keys[i], probs)
         return state, cache, drafts.at[:, i].set(token), all_probs.at[:, i].set(probs)
 
     _, cache, drafts, all_probs = jax.lax.fori_loop(
         1, num_draft, step, (state, cache, drafts, all_probs))
     return drafts, all_probs, cache
+
+
+def _keys(rng: jax.Array | None, count: int, salt: jax.Array | int | None = None):
+    """`count` independent keys from `rng` (first folded with `salt`, e.g. the round), or
+    `count` Nones without one: greedy decoding draws argmaxes (`tfx.ops.speculative.draw`)."""
+    if rng is None:
+        return [None] * count
+    return jax.random.split(rng if salt is None else jax.random.fold_in(rng, salt), count)
 
 
 def _emit(carry: _Round, run, emitted, eos, pad_token_id):

@@ -44,9 +44,12 @@ def token_probs(logits: jax.Array, *, temperature: jax.Array, top_k: jax.Array |
     return jnp.where(temperature > 0, sampled, greedy).reshape(logits.shape)
 
 
-def draw(rng: jax.Array, probs: jax.Array) -> jax.Array:
+def draw(rng: jax.Array | None, probs: jax.Array) -> jax.Array:
     """A token from probabilities float [batch, vocab] -> int32 [batch] (zero-probability
-    tokens are never drawn, so a one-hot gives its token)."""
+    tokens are never drawn, so a one-hot gives its token); rng None: the most likely token
+    (greedy decoding, with no random numbers to generate)."""
+    if rng is None:
+        return jnp.argmax(probs, axis=-1).astype(jnp.int32)
     return jax.random.categorical(rng, jnp.log(probs), axis=-1).astype(jnp.int32)
 
 
@@ -61,7 +64,10 @@ def verify_draft(target_probs: jax.Array, draft_probs: jax.Array, draft_tokens: 
       draft_probs: float [batch, k, vocab], q_1..q_k, from which the draft tokens were drawn.
       draft_tokens: int [batch, k], x_1..x_k.
       limit: int [batch] in [0, k]: only x_1..x_limit are judged (the rest are never accepted).
-      rng: a jax.random key.
+      rng: a jax.random key; or None for one-hot (greedy) distributions: x_i is then accepted
+        when p_i(x_i) >= q_i(x_i), i.e. when it is the target's argmax, and the next token is
+        the argmax of what the rule draws from (the rule's deterministic limit, exact for
+        one-hot p and q).
     Returns:
       accepted: int32 [batch] in [0, limit], the number of leading draft tokens accepted.
       next_token: int32 [batch], the token after them: drawn from normalize(max(0, p - q)) at
@@ -69,12 +75,14 @@ def verify_draft(target_probs: jax.Array, draft_probs: jax.Array, draft_tokens: 
         token; with accepted = limit < k its p is the caller's to trust).
     """
     batch, k = draft_tokens.shape
-    uniform_key, residual_key = jax.random.split(rng)
     p = jnp.take_along_axis(target_probs[:, :k], draft_tokens[..., None], axis=-1)[..., 0]
     q = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
     judged = jnp.arange(k)[None, :] < limit[:, None]
-    # u < p / q without dividing; q(x) > 0 since x was drawn from q.
-    ok = (jax.random.uniform(uniform_key, (batch, k)) * q < p) & judged
+    if rng is None:
+        ok, residual_key = (q <= p) & judged, None
+    else:  # u < p / q without dividing; q(x) > 0 since x was drawn from q
+        uniform_key, residual_key = jax.random.split(rng)
+        ok = (jax.random.uniform(uniform_key, (batch, k)) * q < p) & judged
     accepted = jnp.sum(jnp.cumprod(ok, axis=1), axis=1, dtype=jnp.int32)
     rows = jnp.arange(batch)
     # Unjudged positions (and the bonus one) subtract nothing: their residual is p itself.
