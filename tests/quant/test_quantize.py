@@ -185,6 +185,11 @@ def test_bad_arguments_are_refused(kwargs, match):
         quantize(create(CONFIG, rngs=nnx.Rngs(0)), **kwargs)
 
 
+def test_a_model_that_is_not_a_module_is_refused():
+    with pytest.raises(TypeError, match=r"model must be an nnx\.Module"):
+        quantize(nnx.state(create(CONFIG, rngs=nnx.Rngs(0))), "int8")
+
+
 def test_quantizing_twice_or_an_adapted_model_is_refused():
     model = quantize(create(CONFIG, rngs=nnx.Rngs(0)), "int8")
     with pytest.raises(ValueError, match=r"not a plain nnx\.Linear"):

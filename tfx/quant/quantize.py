@@ -44,10 +44,13 @@ def quantize(model: nnx.Module, qtype: str = "int8", *,
       `model`, its chosen layers now `QuantizedLinear` (codes and scales as `Quantized`
       variables; the float kernels are dropped).
     Raises:
+      TypeError: for a model that is not an NNX module.
       ValueError: for an unknown qtype, a block_size that is not a positive int dividing a
         target's d_in, targets matching no plain linear layer, or naming a router or a layer
         that is already quantized or adapted (quantize before attaching LoRA).
     """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}")
     if qtype not in QTYPES:
         raise ValueError(f"qtype must be one of {sorted(QTYPES)}, got {qtype!r}")
     if block_size is not None and (isinstance(block_size, bool)
