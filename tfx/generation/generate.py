@@ -2,11 +2,11 @@
 
 One call is one compiled program: prefill the whole prompt in a single model call, then a
 `lax.while_loop` that feeds one token per step through the cache until `max_new_tokens` or until
-every sequence has produced EOS. It is compiled once per (model structure, batch, prompt-length
-bucket, max_new_tokens, which filters are on); the sampling values (temperature, top_k, top_p)
-and the prompt itself are ordinary inputs, so changing them does not recompile. Logits
-processors (`tfx.generation.processors`) run inside the loop: which are on is part of the
-program, their values are inputs.
+every sequence has produced EOS (or completed a stop sequence). It is compiled once per (model
+structure, batch, prompt-length bucket, max_new_tokens, which filters and processors are on);
+the sampling values (temperature, top_k, top_p), the processors' values
+(`tfx.generation.processors`) and the prompt itself are ordinary inputs, so changing them does
+not recompile.
 """
 
 from __future__ import annotations

@@ -12,6 +12,14 @@ transformers' `_beam_search` does). Stop sequences are not a processor but a sto
 
 The maths is in `tfx.ops.logits_processors`; here are the argument checks (on the host, before
 anything compiles) and the order.
+
+Padding never counts as a token: the processors see each row's real tokens (the prompt without
+its padding, on either side; for an encoder–decoder the decoder start token, as transformers),
+then the new ones. transformers (5.x) skips left padding in its repetition penalty too
+(`prompt_ignore_length`), but its no-repeat n-grams and multi-token bad words read the padding
+ids as tokens, so the two differ only when a row's real tokens match an n-gram or a bad-word
+prefix made of padding ids (and when fewer than n - 1 real tokens precede the next one, where
+tfx forbids nothing).
 """
 
 from __future__ import annotations
