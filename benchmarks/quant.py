@@ -20,7 +20,6 @@ over a [2, 64] batch, and the share of positions whose argmax agrees with float3
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -29,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from timing import add_output_arguments, markdown_path, markdown_table, provenance, publish
+from timing import decoding_arguments, markdown_path, markdown_table, provenance, publish
 
 import tfx
 from tfx.models import DecoderConfig, create
@@ -113,13 +112,8 @@ def render(results: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--quick", action="store_true", help="8 new tokens, 1 repeat")
-    add_output_arguments(parser)
-    args = parser.parse_args()
-    new_tokens, repeats = (8, 1) if args.quick else (args.new_tokens, args.repeats)
+    summary = " ".join(__doc__.split("\n\n")[0].split())  # the docstring's first paragraph
+    new_tokens, repeats, args = decoding_arguments(summary, repeats=9)
     load = os.getloadavg()
     results = {**provenance("quant.py"), "load_average": [round(x, 1) for x in load],
                "platform": jax.default_backend(), "new_tokens": new_tokens, "repeats": repeats,

@@ -77,6 +77,21 @@ def add_output_arguments(parser) -> None:
                         help="write the report to this path (default with --json: its .md)")
 
 
+def decoding_arguments(description: str, *, repeats: int) -> tuple[int, int, object]:
+    """Parse a decoding benchmark's command line: --new-tokens (64), --repeats, --quick (8 new
+    tokens, 1 repeat: a smoke run) and the output arguments. Returns (new_tokens, repeats,
+    args)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--quick", action="store_true", help="8 new tokens, 1 repeat")
+    add_output_arguments(parser)
+    args = parser.parse_args()
+    return (8, 1, args) if args.quick else (args.new_tokens, args.repeats, args)
+
+
 def markdown_path(args) -> str | None:
     """Where `add_output_arguments`' report goes: --markdown, else --json's path as .md."""
     return args.markdown or (args.json and args.json.removesuffix(".json") + ".md")
