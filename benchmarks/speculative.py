@@ -29,11 +29,21 @@ import dataclasses
 import os
 import pathlib
 import tempfile
+import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from decode import alternating_medians
-from timing import add_output_arguments, markdown_path, markdown_table, provenance, publish
+from flax import nnx
+from timing import (
+    add_output_arguments,
+    markdown_path,
+    markdown_table,
+    median_seconds,
+    provenance,
+    publish,
+)
 
 import tfx
 from tfx.generation import early_exit_draft
@@ -57,15 +67,19 @@ def experiments(steps: int) -> dict:
 
 
 def trained(name: str, experiment, cache_dir: pathlib.Path):
-    """The run of `experiment` in cache_dir/name: trained now unless already finished there."""
+    """The run of `experiment` in cache_dir/name, trained now unless already finished there;
+    and the seconds training took (None when it was cached)."""
     workdir = cache_dir / f"{name}-{experiment.train.steps}"
     checkpoints = workdir / "checkpoints"
+    seconds = None
     if not (checkpoints.exists() and str(experiment.train.steps) in os.listdir(checkpoints)):
         print(f"training the {name} ({experiment.model.num_layers} layers, width "
               f"{experiment.model.d_model}, {experiment.train.steps} steps) in {workdir}",
               flush=True)
+        start = time.perf_counter()
         train(experiment, workdir, progress=False)
-    return load_run(workdir)
+        seconds = time.perf_counter() - start
+    return load_run(workdir), seconds
 
 
 def prompts(tokenizer, batch: int) -> np.ndarray:
@@ -101,7 +115,24 @@ def measure(target, draft, ids, args, k: int) -> dict:
             "alone_s": seconds["alone"], "speculative_s": seconds["speculative"],
             "alone_tokens_per_s": tokens / seconds["alone"],
             "speculative_tokens_per_s": tokens / seconds["speculative"],
-            "speed_up": seconds["alone"] / seconds["speculative"]}
+            "speed_up": seconds["alone"] / seconds["speculative"],
+            "target_call_k_plus_1_vs_1": call_cost(target, ids.shape[0], k)}
+
+
+def call_cost(model, batch: int, k: int) -> float:
+    """Time of one cached call of `model` on k + 1 tokens over its time on 1 token (a round's
+    target call against a plain decoding step), batch rows, 32 tokens cached."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def call(state, ids, cache):
+        return nnx.merge(graphdef, state).hidden_states(ids, cache=cache)
+
+    _, cache = call(state, jnp.zeros((batch, PROMPT_LEN), jnp.int32),
+                    model.init_cache(batch, PROMPT_LEN + 16))
+    seconds = [median_seconds(lambda n=n: jax.block_until_ready(
+        call(state, jnp.ones((batch, n), jnp.int32), cache)), repeats=21) for n in (1, k + 1)]
+    return seconds[1] / seconds[0]
 
 
 def render(results: dict) -> str:
@@ -117,16 +148,21 @@ def render(results: dict) -> str:
         f"{PROMPT_LEN}-byte prompts, float32. Target: char-gpt with {TARGET_LAYERS} layers, "
         f"width 256, trained {t['steps']} steps (validation loss {t['target_val_loss']:.2f} "
         f"nats/byte); small draft: 1 layer, width 128, same recipe (validation loss "
-        f"{t['draft_val_loss']:.2f}). Medians of {results['repeats']} alternating runs; "
+        f"{t['draft_val_loss']:.2f}); training seconds in this run (None: reused from "
+        f"--cache-dir): {t['seconds']}. Medians of {results['repeats']} alternating runs; "
         "speed-up = target-alone time / speculative time; every speculative output equals the "
-        "target's alone token for token (checked).",
+        "target's alone token for token (checked). Last column: the time of one cached target "
+        "call on k + 1 tokens over one on 1 token (what a round's verification costs against a "
+        "plain decoding step).",
         "",
         markdown_table(
             ["draft", "k", "batch", "acceptance", "tokens / target call",
-             "target alone tokens/s", "speculative tokens/s", "speed-up", "same tokens"],
+             "target alone tokens/s", "speculative tokens/s", "speed-up", "same tokens",
+             "target call k+1 / 1 token"],
             [[r["draft"], r["k"], r["batch"], r["acceptance_rate"], r["tokens_per_target_call"],
               r["alone_tokens_per_s"], r["speculative_tokens_per_s"], r["speed_up"],
-              "yes" if r["same_tokens"] else "NO"] for r in results["rows"]]),
+              "yes" if r["same_tokens"] else "NO", r["target_call_k_plus_1_vs_1"]]
+             for r in results["rows"]]),
     ]
     return "\n".join(lines) + "\n"
 
@@ -151,8 +187,9 @@ def main() -> None:
         args.new_tokens, args.repeats = 16, 1
     results = {**provenance("speculative.py"), "repeats": args.repeats,
                "load_average_before": os.getloadavg()}
-    runs = {name: trained(name, e, args.cache_dir)
-            for name, e in experiments(args.steps).items()}
+    runs, training_s = {}, {}
+    for name, experiment in experiments(args.steps).items():
+        runs[name], training_s[name] = trained(name, experiment, args.cache_dir)
     target = runs["target"].model
     drafts = {f"early exit ({n} of {TARGET_LAYERS} layers)": early_exit_draft(target, n)
               for n in args.early_exit_layers}
@@ -166,7 +203,7 @@ def main() -> None:
                 print(row, flush=True)
                 rows.append(row)
     results["rows"] = rows
-    results["training"] = {"steps": args.steps, **{
+    results["training"] = {"steps": args.steps, "seconds": training_s, **{
         f"{name}_val_loss": last_val_loss(args.cache_dir / f"{name}-{args.steps}")
         for name in runs}}
     results["load_average_after"] = os.getloadavg()
