@@ -5,6 +5,7 @@ compiled program, argument checks)."""
 
 import re
 
+import jax
 import numpy as np
 import pytest
 from decoding_cases import NEW, PAD, hf_generate_scored, pairs_fixture, prompts
@@ -103,6 +104,27 @@ def test_one_beam_is_greedy_and_lengths_count_to_eos(tiny):
     np.testing.assert_array_equal(np.asarray(beam), np.asarray(greedy))
     np.testing.assert_array_equal(np.asarray(lengths), np.asarray(expected))
     assert np.asarray(lengths)[0] == first
+
+
+@pytest.mark.parametrize("position", ["rope", "xl"])
+def test_scores_are_teacher_forced_log_probs(position):
+    """With length_penalty 0 and no EOS a hypothesis' score is its summed log-probability:
+    recomputed without a cache, it matches only if the cache rows (KV cache, or Transformer-XL
+    memory) followed their beams."""
+    model = Decoder(DecoderConfig(vocab_size=31, d_model=16, num_layers=2, num_heads=4,
+                                  d_ff=32, max_len=32, position=position), rngs=nnx.Rngs(1))
+    model.embeddings.tokens.table[...] = 4.0 * model.embeddings.tokens.table[...]
+    ids, mask = prompts()
+    ids, new = ids % 31, 6
+    tokens, scores = tfx.beam_search(model, ids, attention_mask=mask, num_beams=3,
+                                     max_new_tokens=new, length_penalty=0.0,
+                                     num_return_sequences=3, return_scores=True)
+    tokens, scores = np.asarray(tokens), np.asarray(scores)
+    full_mask = np.pad(np.repeat(mask, 3, axis=0), ((0, 0), (0, new)), constant_values=1)
+    log_probs = jax.nn.log_softmax(model(tokens, attention_mask=full_mask), axis=-1)
+    picked = np.take_along_axis(np.asarray(log_probs)[:, P - 1:-1], tokens[:, P:, None], -1)
+    np.testing.assert_allclose(picked.sum(axis=(1, 2)), scores, rtol=1e-4, atol=1e-4)
+    assert len({tuple(row) for row in tokens[:3, P:].tolist()}) == 3  # three hypotheses
 
 
 def test_compiled_once(tiny):

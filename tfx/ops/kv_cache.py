@@ -363,6 +363,13 @@ class SegmentMemory:
     def nbytes(self) -> int:
         return sum(h.nbytes for h in jax.tree.leaves(self.hidden))
 
+    def take(self, rows: jax.Array) -> SegmentMemory:
+        """The memory of sequences `rows` (int [new_batch]); see `KVCache.take`."""
+        stacked = not isinstance(self.hidden, tuple)
+        hidden = jax.tree.map(lambda x: jnp.take(x, rows, axis=1 if stacked else 0),
+                              self.hidden)
+        return SegmentMemory(hidden=hidden, valid=self.valid[rows])
+
     def mask(self, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Visibility for a segment of q_len new tokens, and the memory's next validity.
 
