@@ -110,8 +110,8 @@ def test_eos_and_lengths_like_generate(target, random_draft, prompts):
 
 def test_early_exit_draft_is_the_first_layers(target, prompts):
     """The draft's logits equal those of a 1-layer model given the target's embeddings, first
-    layer, final norm and head; it greedily decodes like `tfx.generate` would with it."""
-    ids, _ = prompts
+    layer, final norm and head, with unrolled and with scanned (stacked) layers."""
+    ids, mask = prompts
     reference = _first_layer_reference(target)
     for model in (target, _scanned_copy(target)):
         draft = early_exit_draft(model, 1)
@@ -121,6 +121,11 @@ def test_early_exit_draft_is_the_first_layers(target, prompts):
                                    atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(_logits(early_exit_draft(target, 2), ids), _logits(target, ids),
                                atol=1e-6)
+    # Scanned layers decode too (their weights ride the loop carries): the target's tokens.
+    out = speculative_generate(model, draft, ids, attention_mask=mask, max_new_tokens=11,
+                               num_draft_tokens=3, temperature=0.0)
+    np.testing.assert_array_equal(out, tfx.generate(target, ids, attention_mask=mask,
+                                                     max_new_tokens=11, temperature=0.0))
 
 
 def _scanned_copy(model):
