@@ -71,7 +71,7 @@ def test_paged_attention_equals_dense_causal_attention(implementation, num_kv_he
 
 def test_blocked_over_several_blocks_of_pages_and_a_padded_last_block():
     # 40 pages of 4 tokens: blocks of BLOCK_TOKENS // 4 = 32 pages, the second one padded.
-    assert 40 * 4 > BLOCK_TOKENS and 40 % (BLOCK_TOKENS // 4)
+    assert BLOCK_TOKENS < 40 * 4 and 40 % (BLOCK_TOKENS // 4)
     query, keys, values, table, positions = _case(seed=2, num_pages=130, pages_per_seq=40)
     out = paged_attention(*map(jnp.asarray, (query, keys, values, table, positions)),
                           implementation="blocked")

@@ -12,8 +12,9 @@ Implementations (chosen by `tfx.ops.backends.select_paged_attention`):
   and run `cached_attention` (the definition the others are tested against);
 - "blocked": a loop over logical pages with an online softmax (Rabe & Staats), reading a block
   of pages (BLOCK_TOKENS keys) of each sequence per iteration; the gathered cache is never
-  materialised, and the loop stops at the furthest query's block (a dynamic trip count), so its cost follows the longest live
-  sequence, not the page table's width. Inference only: a dynamic loop has no reverse mode;
+  materialised, and the loop stops at the furthest query's block (a dynamic trip count), so
+  its cost follows the longest live sequence, not the page table's width. Inference only: a
+  dynamic loop has no reverse mode;
 - "pallas_gpu" / "pallas_tpu": jax's Pallas paged-attention kernels
   (`jax.experimental.pallas.ops.gpu.paged_attention`, `...tpu.paged_attention`), for decoding
   steps (one query per sequence). Forced on CPU, "pallas_gpu" runs in the Pallas interpreter
