@@ -96,7 +96,7 @@ def ends_with(history: jax.Array, valid: jax.Array, end: jax.Array,
       end: int scalar: the sequences must end at history[:, end - 1].
       sequences: int [count, width], right-aligned, -1 before a shorter sequence's tokens.
     Returns:
-      bool [batch, count] (all True when width is 0: an empty prefix always matches).
+      bool [batch, count] (all True when width is 0: nothing to match).
     """
     width = sequences.shape[1]
     tokens, ok = _at(history, valid, end - width + jnp.arange(width))
