@@ -34,16 +34,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import timing
 from decode import alternating_medians
 from flax import nnx
-from timing import (
-    add_output_arguments,
-    markdown_path,
-    markdown_table,
-    median_seconds,
-    provenance,
-    publish,
-)
 
 import tfx
 from tfx.generation import early_exit_draft
@@ -130,7 +123,7 @@ def call_cost(model, batch: int, k: int) -> float:
 
     _, cache = call(state, jnp.zeros((batch, PROMPT_LEN), jnp.int32),
                     model.init_cache(batch, PROMPT_LEN + 16))
-    seconds = [median_seconds(lambda n=n: jax.block_until_ready(
+    seconds = [timing.median_seconds(lambda n=n: jax.block_until_ready(
         call(state, jnp.ones((batch, n), jnp.int32), cache)), repeats=21) for n in (1, k + 1)]
     return seconds[1] / seconds[0]
 
@@ -155,7 +148,7 @@ def render(results: dict) -> str:
         "call on k + 1 tokens over one on 1 token (what a round's verification costs against a "
         "plain decoding step).",
         "",
-        markdown_table(
+        timing.markdown_table(
             ["draft", "k", "batch", "acceptance", "tokens / target call",
              "target alone tokens/s", "speculative tokens/s", "speed-up", "same tokens",
              "target call k+1 / 1 token"],
@@ -181,11 +174,11 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=pathlib.Path,
                         default=pathlib.Path(tempfile.gettempdir()) / "tfx-speculative-bench")
     parser.add_argument("--quick", action="store_true", help="16 new tokens, 1 repeat")
-    add_output_arguments(parser)
+    timing.add_output_arguments(parser)
     args = parser.parse_args()
     if args.quick:
         args.new_tokens, args.repeats = 16, 1
-    results = {**provenance("speculative.py"), "repeats": args.repeats,
+    results = {**timing.provenance("speculative.py"), "repeats": args.repeats,
                "load_average_before": os.getloadavg()}
     runs, training_s = {}, {}
     for name, experiment in experiments(args.steps).items():
@@ -207,7 +200,8 @@ def main() -> None:
         f"{name}_val_loss": last_val_loss(args.cache_dir / f"{name}-{args.steps}")
         for name in runs}}
     results["load_average_after"] = os.getloadavg()
-    publish(render(results), results, json_path=args.json, markdown_path=markdown_path(args))
+    timing.publish(render(results), results, json_path=args.json,
+                   markdown_path=timing.markdown_path(args))
 
 
 def last_val_loss(workdir: pathlib.Path) -> float:
