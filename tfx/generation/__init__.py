@@ -1,6 +1,6 @@
-"""Decoding with a KV cache: `generate` (greedy and sampling), `beam_search`
-(encoder–decoder models) and `speculative_generate` (a draft model proposes, the target
-verifies)."""
+"""Decoding with a KV cache: `generate` (greedy and sampling, with logits processors and stop
+sequences), `beam_search` (decoders and encoder–decoders), `speculative_generate` (a draft
+model proposes, the target verifies) and `Engine` (continuous batching over a paged cache)."""
 
 from tfx.generation.beam_search import beam_search
 from tfx.generation.early_exit import early_exit_draft
