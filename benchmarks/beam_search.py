@@ -23,14 +23,7 @@ import os
 import tempfile
 
 import numpy as np
-from timing import (
-    add_output_arguments,
-    markdown_path,
-    markdown_table,
-    median_seconds,
-    provenance,
-    publish,
-)
+import timing
 
 import tfx
 import tfx.hf
@@ -88,8 +81,8 @@ def _measure(torch, hf_model, model, new: int, repeats: int) -> list[dict]:
 
         expected, got = theirs(), np.asarray(ours())
         expected = np.pad(expected, ((0, 0), (0, width - expected.shape[1])))
-        tfx_s = median_seconds(lambda f=ours: np.asarray(f()), repeats=repeats)
-        hf_s = median_seconds(theirs, repeats=repeats)
+        tfx_s = timing.median_seconds(lambda f=ours: np.asarray(f()), repeats=repeats)
+        hf_s = timing.median_seconds(theirs, repeats=repeats)
         rows.append({"workload": name, "tfx_s": tfx_s, "transformers_s": hf_s,
                      "tfx_over_transformers": tfx_s / hf_s,
                      "tokens_equal": bool(np.array_equal(got, expected))})
@@ -104,7 +97,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 new tokens, 1 repeat")
     parser.add_argument("--torch-threads", type=int,
                         help="torch's intra-op threads (default: torch's own choice)")
-    add_output_arguments(parser)
+    timing.add_output_arguments(parser)
     args = parser.parse_args()
     new, repeats = (8, 1) if args.quick else (args.new_tokens, args.repeats)
     import torch
@@ -115,10 +108,10 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     hf_model, model = _models(torch, transformers)
     rows = _measure(torch, hf_model, model, new, repeats)
-    meta = provenance("beam_search.py") | {"torch_threads": torch.get_num_threads(),
+    meta = timing.provenance("beam_search.py") | {"torch_threads": torch.get_num_threads(),
                                            "load_before": load_before,
                                            "load_after": os.getloadavg()[0]}
-    table = markdown_table(
+    table = timing.markdown_table(
         ["workload", "tfx s", "transformers s", "tfx / transformers (time)",
          "overhead vs no processors", "tokens equal"],
         [[r["workload"], r["tfx_s"], r["transformers_s"], r["tfx_over_transformers"],
@@ -137,8 +130,8 @@ def main() -> None:
               f"threads contend with them, so transformers' times vary by several times "
               f"between runs; the ratios say which side is faster, not by how much exactly. "
               f"The processors' overhead is tfx's own two columns, measured alike.\n")
-    publish(report, {"meta": meta, "rows": rows}, json_path=args.json,
-            markdown_path=markdown_path(args))
+    timing.publish(report, {"meta": meta, "rows": rows}, json_path=args.json,
+            markdown_path=timing.markdown_path(args))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,13 @@ same small programs again and again, in both pytest-xdist workers and in the `tf
 (a repeated tiny `tfx train` takes half the time). The cache is keyed on the program, the jax
 version and the flags, so it never changes a result. Set in the environment, so subprocesses
 inherit it; a `JAX_COMPILATION_CACHE_DIR` already set by the caller wins.
+
+Each test file's compiled programs are dropped when the file ends. XLA:CPU maps a few memory
+regions per executable and JAX keeps every executable its jitted functions compiled, so a
+worker running half the suite reached Linux's limit of 65,530 mappings (vm.max_map_count) and
+died inside XLA (a segfault while compiling, an abort while serializing to the cache): 14,000
+mappings after the first five files of tests/ops. Files share few programs, so little is
+compiled twice.
 """
 
 from __future__ import annotations
@@ -13,8 +20,19 @@ from __future__ import annotations
 import os
 import pathlib
 
+import pytest
+
 _CACHE = pathlib.Path(__file__).resolve().parents[1] / "build" / "jax-cache"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 # Cache every program that took a tenth of a second or more to compile (the default is 1 s,
 # which on a busy 2-core machine leaves out most of the suite's small programs).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """Release the test file's executables (and their memory mappings) when it ends."""
+    yield
+    import jax  # here, not at the top: jax reads the cache settings above when imported
+
+    jax.clear_caches()

@@ -44,10 +44,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tfx.generation._inputs import integer, pad_id, prompt_and_mask, real, source_fits, token_ids
+from tfx.generation._inputs import (
+    decoder_prompt,
+    integer,
+    pad_id,
+    prompt_and_mask,
+    real,
+    source_fits,
+    token_ids,
+)
 from tfx.generation._outputs import lengths
 from tfx.generation._steps import prefill, step
-from tfx.generation.generate import NO_PROCESSORS, decoder_prompt
+from tfx.generation.generate import NO_PROCESSORS
 from tfx.generation.processors import LogitsProcessors, logits_processors
 from tfx.models.decoder import Decoder
 from tfx.models.encoder_decoder import EncoderDecoder
@@ -121,7 +129,7 @@ def beam_search(model: Decoder | EncoderDecoder, input_ids, *, num_beams: int,
         head = np.full((ids.shape[0], 1), config.decoder_start_token_id)
         inputs = ids, mask
     else:
-        head, inputs = ids, decoder_prompt(config, ids, mask, max_new_tokens, bucket=True)
+        head, inputs = ids, decoder_prompt(config.max_len, ids, mask, max_new_tokens, bucket=True)
     tokens, scores = _beam_search(
         *nnx.split(model), jax.device_put(inputs[0].astype(np.int32)), jnp.asarray(inputs[1]),
         jnp.asarray(eos or [-1], jnp.int32), jnp.int32(pad_id(config, pad_token_id, eos)),

@@ -19,7 +19,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tfx.generation._inputs import integer, pad_id, prompt_and_mask, real, source_fits, token_ids
+from tfx.generation._inputs import (
+    bucket_length,
+    decoder_prompt,
+    fits,
+    integer,
+    pad_id,
+    prompt_and_mask,
+    sampling_filters,
+    source_fits,
+    token_ids,
+)
 from tfx.generation._steps import prefill, step
 from tfx.generation.processors import LogitsProcessors, logits_processors
 from tfx.models.decoder import Decoder
@@ -28,15 +38,7 @@ from tfx.ops.sampling import sample_logits
 
 __all__ = ["bucket_length", "generate"]
 
-MIN_BUCKET = 16
 NO_PROCESSORS = LogitsProcessors()
-
-
-def bucket_length(length: int, limit: int | None = None) -> int:
-    """The padded prompt length compiled for `length` tokens: the next power of two (at least
-    16), capped at `limit` (the model's max_len minus the new tokens) but never below length."""
-    bucket = max(MIN_BUCKET, 1 << (length - 1).bit_length())
-    return max(length, min(bucket, limit)) if limit is not None else bucket
 
 
 def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
@@ -98,7 +100,7 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
     ids, mask = prompt_and_mask(input_ids, attention_mask, config.vocab_size)
     seq2seq = isinstance(model, EncoderDecoder)
     max_new_tokens = integer("max_new_tokens", max_new_tokens)
-    filters = _check_sampling(temperature, top_k, top_p, rng)
+    filters = sampling_filters(temperature, top_k, top_p, rng)
     eos = token_ids("eos_token_id", eos_token_id, config.vocab_size)
     pad_token_id = pad_id(config, pad_token_id, eos)
     processors = logits_processors(
@@ -107,14 +109,14 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
         bad_words_ids=bad_words_ids, stop_sequences=stop_sequences)
     if seq2seq:
         source_fits(config, ids.shape[1])
-        _fits(1, max_new_tokens, config.max_len)
+        fits(1, max_new_tokens, config.max_len)
         # An encoder's source keeps its layout (absolute positions see real tokens where they
         # were), padded on the right.
         pad = (bucket_length(ids.shape[1], config.max_len) if bucket else ids.shape[1]) - \
             ids.shape[1]
         padded_ids, padded_mask = (np.pad(x, ((0, 0), (0, pad))) for x in (ids, mask))
     else:
-        padded_ids, padded_mask = decoder_prompt(config, ids, mask, max_new_tokens,
+        padded_ids, padded_mask = decoder_prompt(config.max_len, ids, mask, max_new_tokens,
                                                  bucket=bucket)
     graphdef, state = nnx.split(model)
     tokens, ends = _generate(graphdef, state, jax.device_put(padded_ids.astype(np.int32)),
@@ -174,47 +176,3 @@ def _generate(graphdef, state, ids, mask, rng, filters, eos, pad_token_id,
     carry = (jnp.int32(1), (state, head), start[0], cache, *start[1:])
     carry = jax.lax.while_loop(unfinished, advance, carry)
     return carry[4], carry[6]
-
-
-def decoder_prompt(config, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, *,
-                   bucket: bool) -> tuple[np.ndarray, np.ndarray]:
-    """A decoder's prompts as its decoding loops take them (shared with `beam_search`): checked
-    to fit max_len with the new tokens, padded (masked) to `bucket_length` when bucket, and
-    left-aligned, which places tokens exactly as given (positions follow the mask), keeps
-    Transformer-XL memories contiguous and puts every row's last token in the last column.
-
-    ids: int [batch, length]; mask: bool [batch, length], on the host. Returns both
-    [batch, padded length].
-    """
-    _fits(int(mask.sum(axis=1).max()), max_new_tokens, config.max_len)
-    width = bucket_length(ids.shape[1], config.max_len - max_new_tokens) if bucket else \
-        ids.shape[1]
-    pad = ((0, 0), (0, width - ids.shape[1]))
-    return _left_aligned(np.pad(ids, pad), np.pad(mask, pad))
-
-
-def _fits(prompt: int, max_new_tokens: int, max_len: int) -> None:
-    if prompt + max_new_tokens > max_len:
-        raise ValueError(f"prompt ({prompt} tokens) + max_new_tokens ({max_new_tokens}) "
-                         f"exceeds the model's max_len ({max_len})")
-
-
-def _left_aligned(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Move each row's padding to the front, keeping the order of its real tokens."""
-    order = np.argsort(mask, axis=1, kind="stable")
-    return np.take_along_axis(ids, order, axis=1), np.take_along_axis(mask, order, axis=1)
-
-
-def _check_sampling(temperature, top_k, top_p, rng) -> dict:
-    """Validate the sampling arguments; returns the filters as traced values (None = off)."""
-    temperature = real("temperature", temperature, low=0.0, hint=" (0 is greedy)")
-    if top_k is not None:
-        top_k = integer("top_k", top_k)
-    if top_p is not None:
-        top_p = real("top_p", top_p, low=0.0, high=1.0, open_low=True, hint=" or None")
-    if temperature > 0 and rng is None:
-        raise ValueError("rng must be a jax.random key when temperature > 0 "
-                         "(temperature=0.0 decodes greedily)")
-    return {"temperature": jnp.float32(temperature),
-            "top_k": None if top_k is None else jnp.int32(top_k),
-            "top_p": None if top_p is None else jnp.float32(top_p)}

@@ -25,9 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from tfx.generation._inputs import integer, pad_id, prompt_and_mask, token_ids
+from tfx.generation._inputs import (
+    decoder_prompt,
+    integer,
+    pad_id,
+    prompt_and_mask,
+    sampling_filters,
+    token_ids,
+)
 from tfx.generation._outputs import lengths
-from tfx.generation.generate import _check_sampling, _left_aligned, bucket_length
 from tfx.models.decoder import Decoder
 from tfx.ops.kv_cache import KVCache
 from tfx.ops.speculative import draw, token_probs, verify_draft
@@ -93,21 +99,15 @@ def speculative_generate(target: Decoder, draft: Decoder, input_ids, *, max_new_
     ids, mask = prompt_and_mask(input_ids, attention_mask, config.vocab_size)
     max_new_tokens = integer("max_new_tokens", max_new_tokens)
     num_draft = integer("num_draft_tokens", num_draft_tokens)
-    filters = _check_sampling(temperature, top_k, top_p, rng)
+    filters = sampling_filters(temperature, top_k, top_p, rng)
     eos = token_ids("eos_token_id", eos_token_id, config.vocab_size)
     pad_token_id = pad_id(config, pad_token_id, eos)
+    # The shorter of the two models' max_len bounds the prompt and new tokens.
     max_len = min(config.max_len, draft.config.max_len)
-    needed = int(mask.sum(axis=1).max()) + max_new_tokens
-    if needed > max_len:
-        raise ValueError(f"prompt ({needed - max_new_tokens} tokens) + max_new_tokens "
-                         f"({max_new_tokens}) exceeds the models' max_len ({max_len})")
-    padded_len = bucket_length(ids.shape[1], max_len - max_new_tokens) if bucket else ids.shape[1]
-    cache_len = min(padded_len + max_new_tokens, max_len)
+    padded_ids, padded_mask = decoder_prompt(max_len, ids, mask, max_new_tokens, bucket=bucket)
+    cache_len = min(padded_ids.shape[1] + max_new_tokens, max_len)
     for name, model in (("target", target), ("draft", draft)):
         _check_rewindable(name, model, ids.shape[0], cache_len)
-    pad = padded_len - ids.shape[1]
-    padded_ids, padded_mask = _left_aligned(np.pad(ids, ((0, 0), (0, pad))),
-                                            np.pad(mask, ((0, 0), (0, pad))))
     (graphdef_t, state_t), (graphdef_d, state_d) = nnx.split(target), nnx.split(draft)
     tokens, counts = _speculate(
         (graphdef_t, graphdef_d), (state_t, state_d), jax.device_put(padded_ids.astype(np.int32)),
