@@ -7,12 +7,12 @@ same small programs again and again, in both pytest-xdist workers and in the `tf
 version and the flags, so it never changes a result. Set in the environment, so subprocesses
 inherit it; a `JAX_COMPILATION_CACHE_DIR` already set by the caller wins.
 
-Each test file's compiled programs are dropped when the file ends. XLA:CPU maps a few memory
-regions per executable and JAX keeps every executable its jitted functions compiled, so a
-worker running half the suite reached Linux's limit of 65,530 mappings (vm.max_map_count) and
-died inside XLA (a segfault while compiling, an abort while serializing to the cache): 14,000
-mappings after the first five files of tests/ops. Files share few programs, so little is
-compiled twice.
+When a worker holds many compiled programs, they are dropped at the end of a test file. XLA:CPU
+maps a few memory regions per executable and JAX keeps every executable its jitted functions
+compiled, so a worker running half the suite reached Linux's limit of 65,530 mappings
+(vm.max_map_count) and died inside XLA (a segfault while compiling, an abort while serializing
+to the cache): 21,000 mappings after the first nine files of one worker. Dropping them after
+every file would recompile what later files share, so only past 30,000.
 """
 
 from __future__ import annotations
@@ -29,10 +29,16 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 
+_MAPS = pathlib.Path("/proc/self/maps")
+MAX_MAPPINGS = 30_000  # of Linux's default vm.max_map_count, 65,530
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():
-    """Release the test file's executables (and their memory mappings) when it ends."""
+    """Release the worker's executables (and their memory mappings) after a test file that
+    leaves more than MAX_MAPPINGS mappings."""
     yield
-    import jax  # here, not at the top: jax reads the cache settings above when imported
+    if _MAPS.exists() and _MAPS.read_text().count("\n") > MAX_MAPPINGS:
+        import jax  # here, not at the top: jax reads the cache settings above when imported
 
-    jax.clear_caches()
+        jax.clear_caches()

@@ -15,6 +15,7 @@ from tfx.models.leading import leading_inputs
 from tfx.models.stack import Embeddings, Stack
 from tfx.nn import axes
 from tfx.nn.embeddings import TokenEmbedding
+from tfx.nn.linear import flat_linear
 from tfx.ops.activations import softcap
 from tfx.ops.kv_cache import (
     KVCache,
@@ -41,7 +42,7 @@ class Decoder(nnx.Module):
         self.config = config
         self.embeddings = Embeddings(config, rngs=rngs)
         self.stack = Stack(config, causal=True, rngs=rngs)
-        self.head = (None if config.embeddings.tie else nnx.Linear(
+        self.head = (None if config.embeddings.tie else flat_linear(
             config.d_model, config.vocab_size, use_bias=False,
             kernel_metadata=axes.metadata(axes.EMBED, axes.VOCAB), rngs=rngs,
             **dtypes(config)))

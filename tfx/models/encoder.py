@@ -12,6 +12,7 @@ from tfx.models.config import EncoderConfig
 from tfx.models.leading import leading_inputs
 from tfx.models.stack import Embeddings, Stack
 from tfx.nn import axes
+from tfx.nn.linear import flat_linear
 from tfx.nn.mlp import ACTIVATIONS
 from tfx.nn.norms import make_norm
 from tfx.ops.masks import padding_mask
@@ -53,8 +54,8 @@ class Encoder(nnx.Module):
         self.stack = Stack(c, causal=False, rngs=rngs)
         # d_model -> d_model: split the input dim only (FSDP), as the projections do.
         square = dict(kernel_metadata=axes.metadata(axes.EMBED, None), **kinds)
-        self.pooler = nnx.Linear(c.d_model, c.d_model, rngs=rngs, **square)
-        self.mlm_transform = nnx.Linear(c.d_model, c.d_model, rngs=rngs, **square)
+        self.pooler = flat_linear(c.d_model, c.d_model, rngs=rngs, **square)
+        self.mlm_transform = flat_linear(c.d_model, c.d_model, rngs=rngs, **square)
         self.mlm_norm = make_norm(c.norm.kind, c.d_model, epsilon=c.norm.eps, rngs=rngs, **kinds)
         self.mlm_bias = nnx.Param(jnp.zeros((c.vocab_size,), kinds["param_dtype"]),
                                   **axes.metadata(axes.VOCAB))

@@ -15,6 +15,7 @@ from tfx.models.leading import leading_inputs, prepend
 from tfx.models.stack import Embeddings, Stack
 from tfx.nn import axes
 from tfx.nn.embeddings import TokenEmbedding
+from tfx.nn.linear import flat_linear
 from tfx.ops.kv_cache import Seq2SeqCache, init_cache
 from tfx.ops.masks import padding_mask
 
@@ -46,9 +47,9 @@ class EncoderDecoder(nnx.Module):
         self.decoder = Stack(c, causal=True, cross_attention=True,
                              num_layers=c.decoder_layers, rngs=rngs)
         self.head = (None if c.embeddings.tie else
-                     nnx.Linear(c.d_model, c.vocab_size, use_bias=False,
-                                kernel_metadata=axes.metadata(axes.EMBED, axes.VOCAB),
-                                rngs=rngs, **kinds))
+                     flat_linear(c.d_model, c.vocab_size, use_bias=False,
+                                 kernel_metadata=axes.metadata(axes.EMBED, axes.VOCAB),
+                                 rngs=rngs, **kinds))
 
     def __call__(self, input_ids: jax.Array, *, decoder_input_ids: jax.Array,
                  attention_mask: jax.Array | None = None,

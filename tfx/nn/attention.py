@@ -13,6 +13,7 @@ from flax import nnx
 
 from tfx.nn import axes
 from tfx.nn.caches import Keys, NoCache, cache_for
+from tfx.nn.linear import flat_linear
 from tfx.nn.positions import Position
 from tfx.ops.attention import IMPLEMENTATIONS
 from tfx.ops.kv_cache import LayerKV
@@ -85,10 +86,10 @@ class Attention(nnx.Module):
         qkv_bias = use_bias if qkv_bias is None else qkv_bias
 
         def linear(features_in, features_out, axes_in, axes_out, bias_axes, bias=qkv_bias):
-            return nnx.Linear(features_in, features_out, use_bias=bias, dtype=dtype,
-                              param_dtype=param_dtype, rngs=rngs,
-                              kernel_metadata=axes.metadata(axes_in, axes_out),
-                              bias_metadata=axes.metadata(bias_axes) if bias_axes else {})
+            return flat_linear(features_in, features_out, use_bias=bias, dtype=dtype,
+                               param_dtype=param_dtype, rngs=rngs,
+                               kernel_metadata=axes.metadata(axes_in, axes_out),
+                               bias_metadata=axes.metadata(bias_axes) if bias_axes else {})
 
         self.query = linear(d_model, num_heads * head_dim, axes.EMBED, axes.HEADS, axes.HEADS)
         self.key = linear(kv_features, num_kv_heads * head_dim, axes.EMBED, axes.HEADS,

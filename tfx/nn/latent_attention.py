@@ -29,6 +29,7 @@ from flax import nnx
 
 from tfx.nn import axes
 from tfx.nn.caches import Keys, KVLayer, NoCache
+from tfx.nn.linear import flat_linear
 from tfx.nn.norms import make_norm
 from tfx.nn.positions import Position
 from tfx.ops import _checks, dot_product_attention
@@ -96,9 +97,9 @@ class LatentAttention(nnx.Module):
         self.position = Position() if position is None else position
 
         def linear(features_in, features_out, axes_in, axes_out, bias=False):
-            return nnx.Linear(features_in, features_out, use_bias=bias, dtype=dtype,
-                              param_dtype=param_dtype, rngs=rngs,
-                              kernel_metadata=axes.metadata(axes_in, axes_out))
+            return flat_linear(features_in, features_out, use_bias=bias, dtype=dtype,
+                               param_dtype=param_dtype, rngs=rngs,
+                               kernel_metadata=axes.metadata(axes_in, axes_out))
 
         def rms(width):
             return make_norm("rms", width, epsilon=norm_eps, dtype=dtype,

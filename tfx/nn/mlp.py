@@ -8,6 +8,7 @@ from flax import nnx
 
 from tfx.nn import axes
 from tfx.nn.dropout import make_dropout
+from tfx.nn.linear import flat_linear
 from tfx.ops.activations import ACTIVATIONS
 
 __all__ = ["ACTIVATIONS", "MLP"]
@@ -33,9 +34,9 @@ class MLP(nnx.Module):
         self.activation = activation
 
         def linear(features_in, features_out, kernel_axes, bias_axes):
-            return nnx.Linear(features_in, features_out, use_bias=use_bias, dtype=dtype,
-                              param_dtype=param_dtype, kernel_metadata=axes.metadata(*kernel_axes),
-                              bias_metadata=axes.metadata(*bias_axes), rngs=rngs)
+            return flat_linear(features_in, features_out, use_bias=use_bias, dtype=dtype,
+                               param_dtype=param_dtype, kernel_metadata=axes.metadata(*kernel_axes),
+                               bias_metadata=axes.metadata(*bias_axes), rngs=rngs)
 
         # Megatron: up/gate split their output (d_ff) dim, down its input dim; down's bias
         # over d_model declares no axes (replicated).

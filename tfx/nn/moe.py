@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfx.nn import axes
+from tfx.nn.linear import flat_linear
 from tfx.nn.mlp import MLP
 from tfx.ops import moe
 
@@ -88,8 +89,8 @@ class MoE(nnx.Module):
         # A bad option fails here, naming it, rather than at the first call.
         moe.check_routing_options(num_experts, experts_per_token, **routing)
         # Replicated: every device routes its own tokens over all experts.
-        self.router = nnx.Linear(d_model, num_experts, use_bias=False, param_dtype=param_dtype,
-                                 kernel_metadata=axes.metadata(None, None), rngs=rngs)
+        self.router = flat_linear(d_model, num_experts, use_bias=False, param_dtype=param_dtype,
+                                  kernel_metadata=axes.metadata(None, None), rngs=rngs)
         self.experts = Experts(num_experts, d_model, d_ff, gated=gated, param_dtype=param_dtype,
                                rngs=rngs)
         # The settings of tfx.ops.moe.moe, as a tuple: module attributes that are not arrays

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfx.nn import axes
+from tfx.nn.linear import flat_linear
 from tfx.ops.positional import (
     RopeScaling,
     alibi_bias,
@@ -106,9 +107,9 @@ class TransformerXL(Position):
                  param_dtype, rngs: nnx.Rngs):
         self.d_model, self.num_heads, self.head_dim = d_model, num_heads, head_dim
         self.scale = scale
-        self.position_proj = nnx.Linear(d_model, num_heads * head_dim, use_bias=False,
-                                        dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                                        kernel_metadata=axes.metadata(axes.EMBED, axes.HEADS))
+        self.position_proj = flat_linear(d_model, num_heads * head_dim, use_bias=False,
+                                         dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                                         kernel_metadata=axes.metadata(axes.EMBED, axes.HEADS))
         zeros = jnp.zeros((num_heads, head_dim), param_dtype)
         self.content_bias = nnx.Param(zeros)
         self.position_bias = nnx.Param(zeros)

@@ -1,0 +1,62 @@
+"""tfx.ops.matmul.flat_dot_general against numpy's product and lax.dot_general (values and
+gradients), and its delegation of every contraction that is not a projection."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tfx.ops.matmul import flat_dot_general
+
+
+def dims(x):
+    """lax's dimension numbers of a projection of x (its last axis by rhs's first)."""
+    return (((x.ndim - 1,), (0,)), ((), ()))
+
+
+def loss(dot, x, w):
+    return jnp.sum(jnp.sin(dot(x, w, dims(x))))
+
+
+@settings(max_examples=25, deadline=None)
+@given(lead=st.lists(st.integers(1, 5), min_size=2, max_size=3), d_in=st.integers(1, 6),
+       d_out=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_projection_equals_numpy_and_lax_gradients(lead, d_in, d_out, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((*lead, d_in)).astype(np.float32)
+    w = rng.standard_normal((d_in, d_out)).astype(np.float32)
+    out = flat_dot_general(jnp.asarray(x), jnp.asarray(w), dims(x))
+    chex.assert_shape(out, (*lead, d_out))
+    reference = np.einsum("...i,io->...o", x.astype(np.float64), w.astype(np.float64))
+    chex.assert_trees_all_close(out, reference, atol=1e-5, rtol=1e-5)
+    grads = jax.grad(lambda x, w: loss(flat_dot_general, x, w), argnums=(0, 1))(x, w)
+    expected = jax.grad(lambda x, w: loss(jax.lax.dot_general, x, w), argnums=(0, 1))(x, w)
+    chex.assert_trees_all_close(grads, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_other_contractions_go_to_lax_unchanged():
+    rng = np.random.default_rng(0)
+    cases = [
+        (rng.standard_normal((3, 4)), rng.standard_normal((4, 5)), (((1,), (0,)), ((), ()))),
+        (rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 4, 5)),
+         (((2,), (1,)), ((0,), (0,)))),                      # batch axes
+        (rng.standard_normal((2, 3, 4)), rng.standard_normal((5, 4)),
+         (((2,), (1,)), ((), ()))),                          # rhs contracts its last axis
+        (rng.standard_normal((2, 3, 4)), rng.standard_normal((4, 2, 5)),
+         (((2,), (0,)), ((), ()))),                          # rhs with three axes
+    ]
+    for lhs, rhs, numbers in cases:
+        lhs, rhs = jnp.float32(lhs), jnp.float32(rhs)
+        chex.assert_trees_all_equal(flat_dot_general(lhs, rhs, numbers),
+                                    jax.lax.dot_general(lhs, rhs, numbers))
+
+
+def test_precision_and_result_type_pass_through():
+    x = jnp.ones((2, 3, 4), jnp.bfloat16)
+    w = jnp.ones((4, 5), jnp.bfloat16)
+    out = flat_dot_general(x, w, dims(x), precision=jax.lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+    chex.assert_type(out, jnp.float32)
+    chex.assert_trees_all_equal(out, jnp.full((2, 3, 5), 4.0, jnp.float32))

@@ -1,0 +1,42 @@
+"""Projections as one flat matmul: `flat_dot_general`, a drop-in `lax.dot_general` for
+`nnx.Linear(dot_general=...)`.
+
+A projection x[batch, seq, in] · W[in, out] written as one 3-D `dot_general` makes XLA's
+backward contract the output gradient over (batch, seq) for W's gradient, and on CPU it copies
+that gradient transposed before each such matmul. The same product on x reshaped to
+[batch·seq, in] is an ordinary 2-D matmul forward and backward (W's gradient is xᵀ·g), with no
+copies: the compiled training step of char-gpt holds 91 copies instead of 131, of a 6-layer
+GPT-2 151 instead of 223, and both run faster (benchmarks/train.py). The values are the same
+products, summed in the same order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+
+__all__ = ["flat_dot_general"]
+
+
+@functools.partial(jax.jit, static_argnames=("dimension_numbers", "precision",
+                                             "preferred_element_type", "out_sharding"))
+def flat_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision=None,
+                     preferred_element_type=None, out_sharding=None) -> jax.Array:
+    """`lax.dot_general`, with a projection lhs [..., in] · rhs [in, out] computed on lhs
+    flattened to [prod(...), in] and the result reshaped to [..., out].
+
+    Any other contraction (batch axes, a rhs with more than two axes, a 2-D lhs) and any call
+    with `out_sharding` (whose sharding names the unflattened result) goes to `lax.dot_general`
+    unchanged.
+    """
+    kwargs = {"precision": precision, "preferred_element_type": preferred_element_type}
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    projection = (tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,)
+                  and not lhs_batch and not rhs_batch and rhs.ndim == 2 and lhs.ndim > 2)
+    if not projection or out_sharding is not None:
+        return lax.dot_general(lhs, rhs, dimension_numbers, out_sharding=out_sharding, **kwargs)
+    flat = lax.dot_general(lhs.reshape(-1, lhs.shape[-1]), rhs, (((1,), (0,)), ((), ())),
+                           **kwargs)
+    return flat.reshape(*lhs.shape[:-1], rhs.shape[1])
