@@ -2,8 +2,8 @@
 flat 2-D matmul (`tfx.ops.matmul.flat_dot_general`; why, there).
 
 It returns a plain `nnx.Linear` (the product is its `dot_general`), so code that looks for
-linear layers (LoRA, quantization, checkpoint import) sees no new class, and the transforms that
-rebuild a layer from its attributes keep the flat product.
+linear layers (fine-tuning, quantization, checkpoint import) sees no new class, and the
+transforms that rebuild a layer from its attributes keep the flat product.
 """
 
 from __future__ import annotations
