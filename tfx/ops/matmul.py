@@ -4,11 +4,10 @@
 A projection x[batch, seq, in] · W[in, out] written as one 3-D `dot_general` makes XLA's
 backward contract the output gradient over (batch, seq) for W's gradient, and on CPU it copies
 that gradient transposed before each such matmul. The same product on x reshaped to
-[batch·seq, in] is an ordinary 2-D matmul forward and backward (W's gradient is xᵀ·g), with no
-copies: the compiled training step of char-gpt holds 91 copies instead of 131, of a 6-layer
+[batch·seq, in] is an ordinary 2-D matmul forward and backward (W's gradient is xᵀ·g), with
+fewer copies: the compiled training step of char-gpt holds 91 copies instead of 131, of a 6-layer
 GPT-2 169 instead of 223 (benchmarks/flat_linear.py; its step times do not yet show a reliable
-speed-up on CPU). The values are the same
-products, summed in the same order.
+speed-up on CPU). The values are the same products, summed in the same order.
 """
 
 from __future__ import annotations
