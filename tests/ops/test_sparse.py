@@ -173,13 +173,15 @@ _specs = st.one_of(
     block_k=st.integers(1, 17),
     q_offset=st.integers(0, 20),
     chunk_elements=st.sampled_from([1, 50, 1 << 20]),  # 1: one tile per chunk, both axes split
+    granule=st.sampled_from([2, 3, 64]),  # 2, 3: tiles of whole granules pool the granules' layout
 )
 def test_block_layout_is_any_over_each_tile(
-    spec, q_len, kv_len, block_q, block_k, q_offset, chunk_elements
+    spec, q_len, kv_len, block_q, block_k, q_offset, chunk_elements, granule
 ):
     # Reference: the dense mask cut into tiles (partial last tiles included) and OR-ed per tile.
     expected = _naive_block_layout(spec.dense(q_len, kv_len, q_offset=q_offset), block_q, block_k)
-    with mock.patch.object(sparse, "_CHUNK_ELEMENTS", chunk_elements):
+    with (mock.patch.object(sparse, "_CHUNK_ELEMENTS", chunk_elements),
+          mock.patch.object(sparse, "LAYOUT_GRANULE", granule)):
         sparse._block_layout.cache_clear()
         layout = spec.block_layout(q_len, kv_len, block_q, block_k, q_offset=q_offset)
     assert layout.shape == (-(-q_len // block_q), -(-kv_len // block_k))

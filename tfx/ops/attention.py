@@ -23,18 +23,13 @@ from tfx.ops.backends import (
     select_attention,
 )
 from tfx.ops.block_plan import block_plan
-from tfx.ops.blocked_attention import (
-    BLOCK_K,
-    BLOCK_Q,
-    ScoreInputs,
-    blocked_attention,
-    soft_cap,
-)
+from tfx.ops.blocked_attention import ScoreInputs, blocked_attention, soft_cap
 from tfx.ops.context_parallel import SEQUENCE_AXIS, context_parallel_attention
 from tfx.ops.gpu_attention import cudnn_attention, pallas_gpu_attention
 from tfx.ops.masks import combine_masks, segment_mask
 from tfx.ops.sparse import Causal, SparsitySpec
 from tfx.ops.splash import key_mask_as_segments, splash_attention
+from tfx.ops.tile_sizes import choose_block_sizes
 
 __all__ = [
     "BLOCKED_MIN_SCORES",
@@ -110,8 +105,9 @@ def dot_product_attention(
         or more; on CPU: "blocked" when q_len·kv_len >= BLOCKED_MIN_SCORES, else
         "reference"). Forcing one that cannot run raises a ValueError naming what it lacks.
         "pallas_gpu" and "splash" forced on CPU run in Pallas interpret mode (slow; for tests).
-      block_sizes: (block_q, block_k) tile sizes of the blocked path; default
-        (BLOCK_Q, BLOCK_K), each capped at its sequence length.
+      block_sizes: (block_q, block_k) tile sizes of the blocked path, each capped at its
+        sequence length; default: `tfx.ops.tile_sizes.choose_block_sizes` (BLOCK_Q x BLOCK_K
+        without a static mask, smaller tiles where a sparse one leaves them emptier).
       heads_major: key and value are [batch, num_kv_heads, kv_len, dim], as KV caches store
         them: `cached_attention` then runs (reference maths, the few queries of a decoding
         step), which takes visibility from `mask` and `bias` only; `implementation` and
@@ -133,7 +129,7 @@ def dot_product_attention(
     if key_segment_ids is None:
         key_segment_ids = query_segment_ids
     _validate(query, key, value, bias, mask, is_causal, scale, softcap, sparsity)
-    block_q, block_k = _block_sizes(block_sizes, query.shape[1], key.shape[1])
+    block_sizes = _block_sizes(block_sizes, query.shape[1], key.shape[1])
     _validate_segments(query_segment_ids, key_segment_ids, query.shape[:2], key.shape[:2])
     kv_len, value_dim = key.shape[1], value.shape[3]
     spec = static_spec(is_causal, sparsity)
@@ -148,14 +144,15 @@ def dot_product_attention(
         return jnp.zeros((*query.shape[:3], value_dim), value.dtype)
     segments = (query_segment_ids, key_segment_ids)
     return _run_kernel(implementation, platform, query, key, value, bias, mask, segments, spec,
-                       (scale, softcap), mesh, (block_q, block_k))
+                       (scale, softcap), mesh, block_sizes)
 
 
 def _run_kernel(implementation: str, platform: str, query, key, value, bias, mask, segments,
                 spec, scores: tuple[float, float | None], mesh,
-                block_sizes: tuple[int, int]) -> jax.Array:
+                block_sizes: tuple[int, int] | None) -> jax.Array:
     """Run the selected kernel on validated arguments; segments: (query ids, key ids), either
-    None; scores: (scale, softcap or None), how q·k becomes a score."""
+    None; scores: (scale, softcap or None), how q·k becomes a score; block_sizes: the caller's
+    tiles, or None for the kernel's own choice."""
     scale, softcap = scores
     (batch, q_len), kv_len = query.shape[:2], key.shape[1]
     query_segment_ids, key_segment_ids = segments
@@ -178,6 +175,7 @@ def _run_kernel(implementation: str, platform: str, query, key, value, bias, mas
                                           query_segment_ids=query_ids, key_segment_ids=key_ids,
                                           block_sizes=block_sizes, softcap=softcap)
     if implementation == "blocked":
+        block_sizes = block_sizes or choose_block_sizes(spec, q_len, kv_len)
         return _blocked(query, key, value, bias, mask, segments, spec, scores, *block_sizes)
     if query_segment_ids is not None:
         mask = combine_masks(mask, segment_mask(query_segment_ids, key_segment_ids))
@@ -296,9 +294,11 @@ def static_spec(is_causal: bool, sparsity: SparsitySpec | None) -> SparsitySpec 
     return sparsity
 
 
-def _block_sizes(block_sizes, q_len: int, kv_len: int) -> tuple[int, int]:
+def _block_sizes(block_sizes, q_len: int, kv_len: int) -> tuple[int, int] | None:
+    """The caller's tiles checked and capped at the lengths; None stays None (chosen later, by
+    the kernel that tiles)."""
     if block_sizes is None:
-        block_sizes = (BLOCK_Q, BLOCK_K)
+        return None
     if not isinstance(block_sizes, tuple) or len(block_sizes) != 2:
         raise TypeError(f"block_sizes must be a (block_q, block_k) tuple, got {block_sizes!r}")
     block_q = _checks.positive_int("block_sizes[0] (block_q)", block_sizes[0])
@@ -358,9 +358,12 @@ def _reference_attention(query, key, value, bias, mask, scores, kv_layout="bskd"
     batch, q_len, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[kv_layout.index("k")]
     grouped_query = query.reshape(batch, q_len, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    logits = jnp.einsum(
-        f"btkgd,{kv_layout}->bkgts", grouped_query, key, preferred_element_type=jnp.float32
-    )
+    if kv_layout == "bksd" and q_len == 1:
+        logits = _one_query_scores(grouped_query, key)
+    else:
+        logits = jnp.einsum(
+            f"btkgd,{kv_layout}->bkgts", grouped_query, key, preferred_element_type=jnp.float32
+        )
     logits, _ = soft_cap(logits * jnp.float32(scale), softcap)  # Gemma 2: before bias and mask
     mask = None if mask is None else _grouped(mask, num_kv_heads)
     if bias is not None:
@@ -379,8 +382,29 @@ def _reference_attention(query, key, value, bias, mask, scores, kv_layout="bskd"
         weights = jnp.where(mask, weights, 0.0)
     total = jnp.sum(weights, axis=-1, keepdims=True)
     probs = weights / jnp.where(total == 0.0, 1.0, total)
-    out = jnp.einsum(f"bkgts,{kv_layout}->btkgd", probs.astype(value.dtype), value)
+    if kv_layout == "bksd" and q_len == 1:
+        out = _one_query_values(probs, value)
+    else:
+        out = jnp.einsum(f"bkgts,{kv_layout}->btkgd", probs.astype(value.dtype), value)
     return out.reshape(batch, q_len, num_heads, value.shape[-1])
+
+
+# One query over a heads-major cache (a decoding step) is contracted by multiplying and summing,
+# not by dot: XLA:CPU lays the cache operand of such a matrix-vector dot out transposed and,
+# with the step's in-place cache update fused into that operand, copied every layer's key cache
+# four times and its value cache once per step (GPT-2 6x384 decoding, batch 1: 24 + 6 cache
+# copies in the loop body; none this way). The products are fused into the reductions.
+def _one_query_scores(grouped_query: jax.Array, key: jax.Array) -> jax.Array:
+    """[b, 1, k, g, d] · [b, k, s, d] -> float32 scores [b, k, g, 1, s]."""
+    query = grouped_query.transpose(0, 2, 3, 1, 4)[:, :, :, :, None, :]  # [b, k, g, 1, 1, d]
+    return jnp.sum(query.astype(jnp.float32) * key[:, :, None, None].astype(jnp.float32),
+                   axis=-1)
+
+
+def _one_query_values(probs: jax.Array, value: jax.Array) -> jax.Array:
+    """float32 [b, k, g, 1, s] · [b, k, s, dv] -> [b, 1, k, g, dv] in the dtype of value."""
+    out = jnp.sum(probs[..., None] * value[:, :, None, None].astype(jnp.float32), axis=-2)
+    return out.transpose(0, 3, 1, 2, 4).astype(value.dtype)
 
 
 def _validate_segments(query_segments, key_segments, query_batch_len, key_batch_len) -> None:

@@ -49,6 +49,10 @@ __all__ = [
 # long sequence never holds its whole [q_len, kv_len] mask (nor the int64 temporaries of a
 # predicate, 8 bytes per pair) in memory at once.
 _CHUNK_ELEMENTS = 1 << 20
+# Layouts of tiles made of whole 64 x 64 granules are pooled from the granules' layout, so the
+# predicate runs over every pair once however many tile sizes are asked for (the kernels' tile
+# choice compares several; at N = 16384 one pass takes seconds).
+LAYOUT_GRANULE = 64
 
 
 class SparsitySpec(abc.ABC):
@@ -117,6 +121,11 @@ def _check_lengths(q_len, kv_len, q_offset) -> tuple[int, int, int]:
 def _block_layout(
     spec: SparsitySpec, q_len: int, kv_len: int, block_q: int, block_k: int, q_offset: int
 ) -> np.ndarray:
+    if (block_q, block_k) != (LAYOUT_GRANULE,) * 2 and not (block_q % LAYOUT_GRANULE
+                                                          or block_k % LAYOUT_GRANULE):
+        # Any tile made of whole granules holds a visible pair iff one of its granules does.
+        fine = _block_layout(spec, q_len, kv_len, LAYOUT_GRANULE, LAYOUT_GRANULE, q_offset)
+        return _pooled(fine, block_q // LAYOUT_GRANULE, block_k // LAYOUT_GRANULE)
     nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
     tiles_per_chunk = max(1, _CHUNK_ELEMENTS // (block_q * block_k))
     # A chunk spans up to tiles_per_chunk key blocks, then as many query blocks as still fit.
@@ -134,6 +143,14 @@ def _block_layout(
             layout[qb : qb + q_step, kb : kb + k_step] = tiles
     layout.flags.writeable = False  # shared by every caller through the cache
     return layout
+
+
+def _pooled(layout: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """OR over groups of `rows` x `cols` tiles (the last group of each axis may be partial)."""
+    pooled = np.logical_or.reduceat(layout, np.arange(0, layout.shape[0], rows), 0)
+    pooled = np.logical_or.reduceat(pooled, np.arange(0, layout.shape[1], cols), 1)
+    pooled.flags.writeable = False
+    return pooled
 
 
 @dataclasses.dataclass(frozen=True)
