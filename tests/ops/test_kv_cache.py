@@ -99,12 +99,13 @@ class CachedAttentionTest(parameterized.TestCase):
             chex.assert_shape(layer.key, (batch, kv_heads, window, dim))
 
 
-def test_cached_attention_matches_reference_with_bias_and_mask():
+@pytest.mark.parametrize("q_len", [1, 3])  # 1: a decoding step, contracted without dot
+def test_cached_attention_matches_reference_with_bias_and_mask(q_len):
     keys = jax.random.split(jax.random.key(1), 4)
-    query = jax.random.normal(keys[0], (2, 3, 4, 8))
+    query = jax.random.normal(keys[0], (2, q_len, 4, 8))
     key = jax.random.normal(keys[1], (2, 5, 2, 8))
     value = jax.random.normal(keys[2], (2, 5, 2, 8))
-    bias = jax.random.normal(keys[3], (2, 4, 3, 5))
+    bias = jax.random.normal(keys[3], (2, 4, q_len, 5))
     mask = jnp.array([True, True, False, True, True])[None, None, None]
     expected = dot_product_attention(query, key, value, bias=bias, mask=mask,
                                      implementation="reference")
