@@ -99,7 +99,7 @@ class CachedAttentionTest(parameterized.TestCase):
             chex.assert_shape(layer.key, (batch, kv_heads, window, dim))
 
 
-@pytest.mark.parametrize("q_len", [1, 3])  # 1: a decoding step, contracted without dot
+@pytest.mark.parametrize("q_len", [1, 3])  # 1: a decoding step
 def test_cached_attention_matches_reference_with_bias_and_mask(q_len):
     keys = jax.random.split(jax.random.key(1), 4)
     query = jax.random.normal(keys[0], (2, q_len, 4, 8))

@@ -358,12 +358,9 @@ def _reference_attention(query, key, value, bias, mask, scores, kv_layout="bskd"
     batch, q_len, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[kv_layout.index("k")]
     grouped_query = query.reshape(batch, q_len, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    if kv_layout == "bksd" and q_len == 1:
-        logits = _one_query_scores(grouped_query, key)
-    else:
-        logits = jnp.einsum(
-            f"btkgd,{kv_layout}->bkgts", grouped_query, key, preferred_element_type=jnp.float32
-        )
+    logits = jnp.einsum(
+        f"btkgd,{kv_layout}->bkgts", grouped_query, key, preferred_element_type=jnp.float32
+    )
     logits, _ = soft_cap(logits * jnp.float32(scale), softcap)  # Gemma 2: before bias and mask
     mask = None if mask is None else _grouped(mask, num_kv_heads)
     if bias is not None:
@@ -382,29 +379,8 @@ def _reference_attention(query, key, value, bias, mask, scores, kv_layout="bskd"
         weights = jnp.where(mask, weights, 0.0)
     total = jnp.sum(weights, axis=-1, keepdims=True)
     probs = weights / jnp.where(total == 0.0, 1.0, total)
-    if kv_layout == "bksd" and q_len == 1:
-        out = _one_query_values(probs, value)
-    else:
-        out = jnp.einsum(f"bkgts,{kv_layout}->btkgd", probs.astype(value.dtype), value)
+    out = jnp.einsum(f"bkgts,{kv_layout}->btkgd", probs.astype(value.dtype), value)
     return out.reshape(batch, q_len, num_heads, value.shape[-1])
-
-
-# One query over a heads-major cache (a decoding step) is contracted by multiplying and summing,
-# not by dot: XLA:CPU lays the cache operand of such a matrix-vector dot out transposed and,
-# with the step's in-place cache update fused into that operand, copied every layer's key cache
-# four times and its value cache once per step (GPT-2 6x384 decoding, batch 1: 24 + 6 cache
-# copies in the loop body; none this way). The products are fused into the reductions.
-def _one_query_scores(grouped_query: jax.Array, key: jax.Array) -> jax.Array:
-    """[b, 1, k, g, d] · [b, k, s, d] -> float32 scores [b, k, g, 1, s]."""
-    query = grouped_query.transpose(0, 2, 3, 1, 4)[:, :, :, :, None, :]  # [b, k, g, 1, 1, d]
-    return jnp.sum(query.astype(jnp.float32) * key[:, :, None, None].astype(jnp.float32),
-                   axis=-1)
-
-
-def _one_query_values(probs: jax.Array, value: jax.Array) -> jax.Array:
-    """float32 [b, k, g, 1, s] · [b, k, s, dv] -> [b, 1, k, g, dv] in the dtype of value."""
-    out = jnp.sum(probs[..., None] * value[:, :, None, None].astype(jnp.float32), axis=-2)
-    return out.transpose(0, 3, 1, 2, 4).astype(value.dtype)
 
 
 def _validate_segments(query_segments, key_segments, query_batch_len, key_batch_len) -> None:
