@@ -34,9 +34,11 @@ from timing import (
 )
 
 from tfx.ops import dot_product_attention, sparse
-from tfx.ops.tile_sizes import CANDIDATES, choose_block_sizes
+from tfx.ops.blocked_attention import BLOCK_K, BLOCK_Q
+from tfx.ops.tile_sizes import choose_block_sizes
 
 HEADS, HEAD_DIM = 8, 64
+DEFAULT_TILES = (BLOCK_Q, BLOCK_K)
 PATTERNS = {
     "sliding window 256": sparse.SlidingWindow(256),
     "sliding window 1024": sparse.SlidingWindow(1024),
@@ -179,7 +181,7 @@ def sparse_table(args) -> list[dict]:
             row["sparse_ms"] = _forward_ms(args, inputs, sparsity=spec, implementation="blocked")
             # The same pattern on the fixed default tiles, as before the tile choice.
             row["sparse_default_tiles_ms"] = _forward_ms(
-                args, inputs, sparsity=spec, implementation="blocked", block_sizes=CANDIDATES[0])
+                args, inputs, sparsity=spec, implementation="blocked", block_sizes=DEFAULT_TILES)
             row["full_ms"] = _forward_ms(args, inputs, implementation="blocked")
             # jax.nn with the mask holds [heads, N, N] float32 scores: stop before 8 GiB.
             row["jax.nn_mask_ms"] = None
@@ -190,7 +192,7 @@ def sparse_table(args) -> list[dict]:
                     inputs, False), repeats=args.repeats)
             rows.append(row)
             print(f"{name:45s} N={n:5d} sparse {row['sparse_ms']:8.1f} ms (tiles {row['tiles']}; "
-                  f"{row['sparse_default_tiles_ms']:8.1f} ms on {CANDIDATES[0]})  full "
+                  f"{row['sparse_default_tiles_ms']:8.1f} ms on {DEFAULT_TILES})  full "
                   f"{row['full_ms']:8.1f} ms  jax.nn+mask {row['jax.nn_mask_ms']} ms  "
                   f"kept {row['ideal_ratio']:.3f}", flush=True)
     return rows
@@ -225,9 +227,9 @@ def render(results: dict) -> str:
     if "sparse" in results:
         lines += ["", "## Sparse patterns, forward, float32 (ms)", "",
                   "tfx sparse runs on the tiles `tfx.ops.tile_sizes` chooses (column tiles); "
-                  f"the column before it, on the fixed {CANDIDATES[0][0]} x {CANDIDATES[0][1]} "
+                  f"the column before it, on the fixed {DEFAULT_TILES[0]} x {DEFAULT_TILES[1]} "
                   "tiles. Goal (issue 22): sparse/full <= 2 x ideal + 0.02.", "",
-                  markdown_table(["pattern", "N", "tiles", f"tfx sparse, {CANDIDATES[0]}",
+                  markdown_table(["pattern", "N", "tiles", f"tfx sparse, {DEFAULT_TILES}",
                                   "tfx sparse", "tfx full", "sparse/full", "ideal (pairs kept)",
                                   "goal", "jax.nn + mask", "sparse/jax.nn"],
                                  [[r["pattern"], r["n"], _tiles(r),
@@ -241,7 +243,7 @@ def render(results: dict) -> str:
 
 def _tiles(row: dict) -> str:
     """A row's chosen tiles (rows measured before the tile choice ran on 256 x 512)."""
-    return " x ".join(map(str, row.get("tiles", CANDIDATES[0])))
+    return " x ".join(map(str, row.get("tiles", DEFAULT_TILES)))
 
 
 def _ratio(ours, theirs):

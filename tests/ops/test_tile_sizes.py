@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 
 from tfx.ops import dot_product_attention, sparse
-from tfx.ops.tile_sizes import CANDIDATES, TILE_OVERHEAD_PAIRS, choose_block_sizes
+from tfx.ops.blocked_attention import BLOCK_K, BLOCK_Q
+from tfx.ops.tile_sizes import PAIR_COST, choose_block_sizes
 
 BIGBIRD = sparse.SlidingWindow(192) | sparse.GlobalTokens(64) | sparse.RandomBlocks(64, 3)
+DEFAULT = (BLOCK_Q, BLOCK_K)
 SPECS = [sparse.Causal(), sparse.SlidingWindow(256), sparse.Strided(128), BIGBIRD,
          sparse.Causal() & sparse.GlobalTokens(16)]
 
@@ -27,16 +29,16 @@ def _visited_tiles(mask: np.ndarray, block_q: int, block_k: int) -> int:
 def test_choice_is_the_least_modelled_cost(spec, q_len, kv_len):
     mask = spec.dense(q_len, kv_len)
     costs = []
-    for block_q, block_k in CANDIDATES:
+    for (block_q, block_k), weight in PAIR_COST.items():
         block_q, block_k = min(block_q, q_len), min(block_k, kv_len)
         tiles = _visited_tiles(mask, block_q, block_k)
-        costs.append((tiles * (block_q * block_k + TILE_OVERHEAD_PAIRS), (block_q, block_k)))
-    expected = min(costs, key=lambda c: c[0])[1]  # the first of equal costs: the larger tiles
+        costs.append((tiles * block_q * block_k * weight, (block_q, block_k)))
+    expected = min(costs, key=lambda c: c[0])[1]  # the first of equal costs: the default tiles
     assert choose_block_sizes(spec, q_len, kv_len) == expected
 
 
 def test_without_a_static_mask_the_default_tiles_capped_at_the_lengths():
-    assert choose_block_sizes(None, 4096, 4096) == CANDIDATES[0]
+    assert choose_block_sizes(None, 4096, 4096) == DEFAULT
     assert choose_block_sizes(None, 100, 300) == (100, 300)
 
 
@@ -47,7 +49,7 @@ def test_bigbird_tiles_visit_about_the_pairs_it_keeps():
     mask = BIGBIRD.dense(n, n)
     block_q, block_k = choose_block_sizes(BIGBIRD, n, n)
     visited = _visited_tiles(mask, block_q, block_k) * block_q * block_k
-    default = _visited_tiles(mask, *CANDIDATES[0]) * CANDIDATES[0][0] * CANDIDATES[0][1]
+    default = _visited_tiles(mask, *DEFAULT) * DEFAULT[0] * DEFAULT[1]
     assert visited < 2 * mask.sum() < default / 3
 
 

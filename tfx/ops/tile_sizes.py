@@ -1,16 +1,15 @@
 """The blocked kernel's tile sizes, chosen per call from the static mask.
 
-Every visited tile costs its pairs (all of them, visible or not) plus a fixed overhead: one
-more step of the key loop, one more running-softmax update, and the lower efficiency of small
-matmuls. Large tiles pay the overhead least often; small tiles skip more invisible pairs. So the
-kernel picks, among `CANDIDATES`, the tiles of least modelled cost
+A visited tile costs all its pairs, visible or not. Large tiles cost least per pair (fewer key-
+loop steps and running-softmax updates, larger matmuls); small tiles skip more invisible pairs.
+So the kernel takes, among `PAIR_COST`'s tile sizes, the one of least modelled time
 
-    visited tiles x (block_q x block_k + TILE_OVERHEAD_PAIRS)
+    visited tiles x block_q x block_k x PAIR_COST[(block_q, block_k)]
 
 read off the exact block layout of the static mask (`SparsitySpec.block_layout`). Without a
-static mask every tile is visited and the largest tiles win. With one, small tiles win where
-its visible pairs cluster in blocks smaller than the default tiles: BigBird's 64-key random
-blocks and global tokens leave a 256 x 512 tile nearly empty, a 64 x 64 one nearly full.
+static mask, and for causal attention, that is the default 256 x 512 tiles; 64 x 64 tiles win
+where a sparse mask leaves most of a large tile empty: BigBird's 64-key random blocks and
+global tokens, a strided pattern, a window much narrower than a tile.
 """
 
 from __future__ import annotations
@@ -20,32 +19,35 @@ import functools
 from tfx.ops.blocked_attention import BLOCK_K, BLOCK_Q
 from tfx.ops.sparse import SparsitySpec
 
-__all__ = ["CANDIDATES", "TILE_OVERHEAD_PAIRS", "choose_block_sizes", "tile_cost"]
+__all__ = ["PAIR_COST", "choose_block_sizes", "modelled_cost"]
 
-# Largest first: ties go to the larger tiles. All are whole 64 x 64 granules, so one pass of
-# the mask's predicate gives every candidate's layout (tfx.ops.sparse.LAYOUT_GRANULE).
-CANDIDATES = ((BLOCK_Q, BLOCK_K), (128, 256), (128, 128), (64, 64))
-# The fixed cost of a visited tile in pairs' worth of time, fitted to forward times of
-# benchmarks/attention.py's sparse patterns (8 heads, head_dim 64, float32, N = 8192 and
-# 16384) under every candidate: time ~ pairs + TILE_OVERHEAD_PAIRS x tiles.
-TILE_OVERHEAD_PAIRS = 1536
+# The time of one visited pair on each tile size, relative to the default tiles: the median of
+# forward (and causal forward+backward) times per visited pair measured on this project's CPU
+# with 8 heads of 64 (float32; causal N = 1024-4096, BigBird, strided-128 and windows of 256
+# and 1024 at N = 8192): 64 x 64 tiles cost 1.3-2.0x per pair. 128 x 128 and 128 x 256 tiles
+# cost as much per pair as 64 x 64 ones while skipping less, so they are not candidates. All
+# sizes are whole 64 x 64 granules: one pass of the mask's predicate gives every layout
+# (tfx.ops.sparse.LAYOUT_GRANULE).
+PAIR_COST = {(BLOCK_Q, BLOCK_K): 1.0, (64, 64): 1.6}
 
 
-def tile_cost(spec: SparsitySpec | None, q_len: int, kv_len: int, block_q: int,
-              block_k: int) -> int:
-    """The modelled cost, in pairs, of a blocked attention over [q_len, kv_len] with tiles
-    block_q x block_k (each capped at its length) and static mask `spec`."""
+def modelled_cost(spec: SparsitySpec | None, q_len: int, kv_len: int, block_q: int,
+                  block_k: int) -> float:
+    """Visited pairs x PAIR_COST of a blocked attention over [q_len, kv_len] with static mask
+    `spec` on block_q x block_k tiles (a key of PAIR_COST; each capped at its length)."""
+    weight = PAIR_COST[(block_q, block_k)]
     block_q, block_k = min(block_q, q_len), min(block_k, kv_len)
     if spec is None:
         tiles = -(-q_len // block_q) * -(-kv_len // block_k)
     else:
         tiles = int(spec.block_layout(q_len, kv_len, block_q, block_k).sum())
-    return tiles * (block_q * block_k + TILE_OVERHEAD_PAIRS)
+    return tiles * block_q * block_k * weight
 
 
 @functools.lru_cache(maxsize=128)
 def choose_block_sizes(spec: SparsitySpec | None, q_len: int, kv_len: int) -> tuple[int, int]:
-    """(block_q, block_k) of least `tile_cost` among CANDIDATES, capped at the lengths.
+    """(block_q, block_k) of least `modelled_cost` among PAIR_COST's sizes (the default tiles
+    on a tie), capped at the lengths.
 
     Args:
       spec: the static mask (causal and sparse parts, `tfx.ops.attention.static_spec`), or
@@ -54,5 +56,5 @@ def choose_block_sizes(spec: SparsitySpec | None, q_len: int, kv_len: int) -> tu
     """
     if spec is None:
         return min(BLOCK_Q, q_len), min(BLOCK_K, kv_len)
-    block_q, block_k = min(CANDIDATES, key=lambda c: tile_cost(spec, q_len, kv_len, *c))
+    block_q, block_k = min(PAIR_COST, key=lambda c: modelled_cost(spec, q_len, kv_len, *c))
     return min(block_q, q_len), min(block_k, kv_len)
