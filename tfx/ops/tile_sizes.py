@@ -24,10 +24,10 @@ __all__ = ["PAIR_COST", "choose_block_sizes", "modelled_cost"]
 # The time of one visited pair on each tile size, relative to the default tiles, measured by
 # benchmarks/tile_sizes.py on this project's CPU (8 heads of 64, float32; causal N = 1024-4096
 # forward and forward+backward, BigBird, strided-128 and windows of 256 and 1024 at N = 8192):
-# 64 x 64 tiles cost 1.1-2.6x per pair (1.6: the sparse forward cases. middle). 128 x 128 and
-# 128 x 256 tiles cost as much per pair as 64 x 64 ones while skipping less, so they are not
-# candidates. All sizes are whole 64 x 64 granules: one pass of the mask's predicate gives
-# every layout (tfx.ops.sparse.LAYOUT_GRANULE).
+# 64 x 64 tiles cost 1.1-2.6x per pair (1.6: about the middle of the sparse forward cases).
+# 128 x 128 and 128 x 256 tiles cost as much per pair as 64 x 64 ones while skipping less, so
+# they are not candidates. All sizes are whole 64 x 64 granules: one pass of the mask's
+# predicate gives every layout (tfx.ops.sparse.LAYOUT_GRANULE).
 PAIR_COST = {(BLOCK_Q, BLOCK_K): 1.0, (64, 64): 1.6}
 
 
