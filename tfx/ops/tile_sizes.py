@@ -31,16 +31,13 @@ __all__ = ["PAIR_COST", "choose_block_sizes", "modelled_cost"]
 PAIR_COST = {(BLOCK_Q, BLOCK_K): 1.0, (64, 64): 1.6}
 
 
-def modelled_cost(spec: SparsitySpec | None, q_len: int, kv_len: int, block_q: int,
+def modelled_cost(spec: SparsitySpec, q_len: int, kv_len: int, block_q: int,
                   block_k: int) -> float:
     """Visited pairs x PAIR_COST of a blocked attention over [q_len, kv_len] with static mask
     `spec` on block_q x block_k tiles (a key of PAIR_COST; each capped at its length)."""
     weight = PAIR_COST[(block_q, block_k)]
     block_q, block_k = min(block_q, q_len), min(block_k, kv_len)
-    if spec is None:
-        tiles = -(-q_len // block_q) * -(-kv_len // block_k)
-    else:
-        tiles = int(spec.block_layout(q_len, kv_len, block_q, block_k).sum())
+    tiles = int(spec.block_layout(q_len, kv_len, block_q, block_k).sum())
     return tiles * block_q * block_k * weight
 
 
