@@ -11,7 +11,8 @@ each load's parameter shardings and the files of the save.
 import os
 
 # Before jax starts: 8 CPU devices.
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
+                           "--xla_backend_optimization_level=0")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json

@@ -8,7 +8,8 @@ size to OUT.json.
 
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
+                           "--xla_backend_optimization_level=0")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json

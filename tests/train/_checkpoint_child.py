@@ -15,7 +15,8 @@ import sys
 import time
 
 if sys.argv[1] == "sharded":  # must be set before jax starts
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 "
+                               "--xla_backend_optimization_level=0")
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))  # tests/, for train_cases
 
 import jax

@@ -194,12 +194,14 @@ def _accumulated(sums_and_grads: Callable, params, frozen, batch: dict, rng, gra
 
 def _advance(state: TrainState, params, opt_state, metrics: dict) -> TrainState:
     """The state after a step: its new params and opt_state only when its loss, gradient norm
-    and new params are all finite, else the old ones (a select, fused into the update); the
-    step number advances and `nonfinite` counts either way."""
+    and new params are all finite, else the old ones; the step number advances and `nonfinite`
+    counts either way. A conditional, not a select per leaf: XLA copied the scalar `finite`
+    (one `and` per leaf) into every leaf's update fusion, so compiling grew with the square of
+    the number of leaves (gpt-6x384's step 12.3 s -> 8 s; a 1-layer T5 9.5 s -> 5.4 s)."""
     finite = (jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
               & _all_finite(params))
-    params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                     (params, opt_state), (state.params, state.opt_state))
+    params, opt_state = jax.lax.cond(finite, lambda: (params, opt_state),
+                                     lambda: (state.params, state.opt_state))
     return dataclasses.replace(state, step=state.step + 1, params=params, opt_state=opt_state,
                                nonfinite=state.nonfinite.count(finite, state.step + 1))
 
