@@ -35,7 +35,7 @@ from timing import (
 
 from tfx.ops import dot_product_attention, sparse
 from tfx.ops.blocked_attention import BLOCK_K, BLOCK_Q
-from tfx.ops.tile_sizes import choose_block_sizes
+from tfx.ops.tile_sizes import choose_pieces
 
 HEADS, HEAD_DIM = 8, 64
 DEFAULT_TILES = (BLOCK_Q, BLOCK_K)
@@ -177,7 +177,7 @@ def sparse_table(args) -> list[dict]:
             inputs = _inputs(n, "float32")
             dense_mask = spec.dense(n, n)
             row = {"pattern": name, "n": n, "ideal_ratio": float(np.mean(dense_mask)),
-                   "tiles": list(choose_block_sizes(spec, n, n))}
+                   "tiles": _pieces(choose_pieces(spec, n, n))}
             row["sparse_ms"] = _forward_ms(args, inputs, sparsity=spec, implementation="blocked")
             # The same pattern on the fixed default tiles, as before the tile choice.
             row["sparse_default_tiles_ms"] = _forward_ms(
@@ -226,9 +226,11 @@ def render(results: dict) -> str:
                                   for r in results["memory"]])]
     if "sparse" in results:
         lines += ["", "## Sparse patterns, forward, float32 (ms)", "",
-                  "tfx sparse runs on the tiles `tfx.ops.tile_sizes` chooses (column tiles); "
-                  f"the column before it, on the fixed {DEFAULT_TILES[0]} x {DEFAULT_TILES[1]} "
-                  "tiles. Goal (issue 22): sparse/full <= 2 x ideal + 0.02.", "",
+                  "tfx sparse runs the passes and tiles `tfx.ops.tile_sizes.choose_pieces` "
+                  "chooses (column tiles: a strided pattern's strided pairs run in residue "
+                  "order); the column before it, one pass on the fixed "
+                  f"{DEFAULT_TILES[0]} x {DEFAULT_TILES[1]} tiles. Goal (issue 22): sparse/full "
+                  "<= 2 x ideal + 0.02.", "",
                   markdown_table(["pattern", "N", "tiles", f"tfx sparse, {DEFAULT_TILES}",
                                   "tfx sparse", "tfx full", "sparse/full", "ideal (pairs kept)",
                                   "goal", "jax.nn + mask", "sparse/jax.nn"],
@@ -242,8 +244,17 @@ def render(results: dict) -> str:
 
 
 def _tiles(row: dict) -> str:
-    """A row's chosen tiles (rows measured before the tile choice ran on 256 x 512)."""
-    return " x ".join(map(str, row.get("tiles", DEFAULT_TILES)))
+    """A row's chosen passes and tiles (rows measured before the tile choice ran on one pass
+    of 256 x 512; rows before the pieces hold [block_q, block_k])."""
+    tiles = row.get("tiles", DEFAULT_TILES)
+    return tiles if isinstance(tiles, str) else " x ".join(map(str, tiles))
+
+
+def _pieces(pieces) -> str:
+    """The blocked kernel's passes, e.g. "64 x 64 + 64 x 64 in residue order mod 128"."""
+    return " + ".join(f"{p.block_q} x {p.block_k}"
+                      + (f" in residue order mod {p.stride}" if p.stride > 1 else "")
+                      for p in pieces)
 
 
 def _ratio(ours, theirs):

@@ -30,7 +30,7 @@ import numpy as np
 from tfx.models.config import compute_dtype
 from tfx.ops.backends import AttentionCase, select_attention
 from tfx.ops.sparse import Causal, parse_spec
-from tfx.ops.tile_sizes import choose_block_sizes
+from tfx.ops.tile_sizes import visited_pairs
 from tfx.train.config import TrainConfig
 from tfx.train.experiments import get_experiment
 
@@ -70,8 +70,9 @@ def experiment(context: int, steps: int, smoke: bool):
 def mask_facts(model, spec_text: str | None, context: int) -> dict:
     """How much of causal attention a pattern keeps: attended_fraction, the attended share of
     the causal (query, key) pairs; kernel, the attention kernel that runs on this platform;
-    tile_fraction, for the blocked kernel, the pairs it computes (its visited tiles on the tiles
-    it chooses) as a share of those of causal attention."""
+    tile_fraction, for the blocked kernel, the pairs it computes (its visited tiles, on the
+    pieces and tiles it chooses: `tfx.ops.tile_sizes.visited_pairs`) as a share of causal
+    attention's."""
     causal = Causal()
     spec = causal if spec_text is None else causal & parse_spec(spec_text)
     attended = spec.dense(context, context).sum() / causal.dense(context, context).sum()
@@ -83,15 +84,8 @@ def mask_facts(model, spec_text: str | None, context: int) -> dict:
         head_dim=head_dim, value_dim=head_dim, spec=spec))
     tiles = None
     if kernel == "blocked":
-        tiles = _computed_pairs(spec, context) / _computed_pairs(causal, context)
+        tiles = visited_pairs(spec, context, context) / visited_pairs(causal, context, context)
     return {"attended_fraction": float(attended), "kernel": kernel, "tile_fraction": tiles}
-
-
-def _computed_pairs(spec, context: int) -> float:
-    """The (query, key) pairs the blocked kernel computes: its visited tiles, on the tiles it
-    chooses for `spec`, times their size."""
-    block_q, block_k = choose_block_sizes(spec, context, context)
-    return float(spec.block_layout(context, context, block_q, block_k).sum() * block_q * block_k)
 
 
 def run(args) -> dict:

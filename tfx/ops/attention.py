@@ -22,14 +22,14 @@ from tfx.ops.backends import (
     current_platform,
     select_attention,
 )
-from tfx.ops.block_plan import block_plan
-from tfx.ops.blocked_attention import ScoreInputs, blocked_attention, soft_cap
+from tfx.ops.blocked_attention import ScoreInputs, soft_cap
+from tfx.ops.blocked_pieces import Piece, pieced_attention
 from tfx.ops.context_parallel import SEQUENCE_AXIS, context_parallel_attention
 from tfx.ops.gpu_attention import cudnn_attention, pallas_gpu_attention
 from tfx.ops.masks import combine_masks, segment_mask
 from tfx.ops.sparse import Causal, SparsitySpec
 from tfx.ops.splash import key_mask_as_segments, splash_attention
-from tfx.ops.tile_sizes import choose_block_sizes
+from tfx.ops.tile_sizes import choose_block_sizes, choose_pieces
 
 __all__ = [
     "BLOCKED_MIN_SCORES",
@@ -175,8 +175,13 @@ def _run_kernel(implementation: str, platform: str, query, key, value, bias, mas
                                           query_segment_ids=query_ids, key_segment_ids=key_ids,
                                           block_sizes=block_sizes, softcap=softcap)
     if implementation == "blocked":
-        block_sizes = block_sizes or choose_block_sizes(spec, q_len, kv_len)
-        return _blocked(query, key, value, bias, mask, segments, spec, scores, *block_sizes)
+        if block_sizes is not None:
+            pieces = (Piece(spec, 1, *block_sizes),)
+        elif bias is not None:  # pieces merge without a bias gradient
+            pieces = (Piece(spec, 1, *choose_block_sizes(spec, q_len, kv_len)),)
+        else:
+            pieces = choose_pieces(spec, q_len, kv_len)
+        return _blocked(query, key, value, bias, mask, segments, scores, pieces)
     if query_segment_ids is not None:
         mask = combine_masks(mask, segment_mask(query_segment_ids, key_segment_ids))
     if spec is not None:
@@ -306,41 +311,21 @@ def _block_sizes(block_sizes, q_len: int, kv_len: int) -> tuple[int, int] | None
     return min(block_q, q_len), min(block_k, kv_len)
 
 
-def _blocked(query, key, value, bias, mask, segments, spec, scores, block_q, block_k):
-    """Pad to whole tiles, regroup heads, run the blocked kernel, and undo both; scores:
-    (scale, softcap or None)."""
+def _blocked(query, key, value, bias, mask, segments, scores, pieces):
+    """Regroup heads, run the blocked kernel's pieces (`tfx.ops.blocked_pieces`), and undo the
+    grouping; scores: (scale, softcap or None)."""
     scale, softcap = scores
     batch, q_len, num_heads, head_dim = query.shape
-    kv_len, num_kv_heads = key.shape[1:3]
-    q_pad, k_pad = -q_len % block_q, -kv_len % block_k
+    num_kv_heads = key.shape[2]
     group = num_heads // num_kv_heads
     grouped_query = (query * jnp.asarray(scale, query.dtype)).reshape(
-        batch, q_len, num_kv_heads, group, head_dim)
-    grouped_query = jnp.pad(grouped_query.transpose(0, 2, 3, 1, 4),
-                            [(0, 0)] * 3 + [(0, q_pad), (0, 0)])
-    key, value = (jnp.pad(x.transpose(0, 2, 1, 3), [(0, 0), (0, 0), (0, k_pad), (0, 0)])
-                  for x in (key, value))
-    bias, mask = (None if x is None else _pad_scores(_grouped(x, num_kv_heads), q_pad, k_pad)
-                  for x in (bias, mask))
-    query_segments, key_segments = segments
-    if query_segments is not None:
-        # Padded queries and keys get segment ids of their own; keys are masked by the plan.
-        query_segments = jnp.pad(query_segments, [(0, 0), (0, q_pad)])
-        key_segments = jnp.pad(key_segments, [(0, 0), (0, k_pad)])
-    inputs = ScoreInputs(bias, mask, query_segments, key_segments)
-    out = blocked_attention(
-        grouped_query, key, value, inputs,
-        plan=block_plan(spec, q_len, kv_len, block_q, block_k), block_q=block_q, block_k=block_k,
-        softcap=softcap,
-    )
-    out = out[:, :, :, :q_len].transpose(0, 3, 1, 2, 4)
+        batch, q_len, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+    key, value = (x.transpose(0, 2, 1, 3) for x in (key, value))
+    bias, mask = (None if x is None else _grouped(x, num_kv_heads) for x in (bias, mask))
+    out = pieced_attention(grouped_query, key, value, ScoreInputs(bias, mask, *segments),
+                           pieces, softcap)
+    out = out.transpose(0, 3, 1, 2, 4)
     return out.reshape(batch, q_len, num_heads, value.shape[-1]).astype(value.dtype)
-
-
-def _pad_scores(x: jax.Array, q_pad: int, k_pad: int) -> jax.Array:
-    """Pad the query and key dims of a [b, k, g, t, s] bias or mask where they are not 1."""
-    pads = [(0, 0)] * 3 + [(0, q_pad if x.shape[3] > 1 else 0), (0, k_pad if x.shape[4] > 1 else 0)]
-    return jnp.pad(x, pads)
 
 
 def _grouped(x: jax.Array, num_kv_heads: int) -> jax.Array:
