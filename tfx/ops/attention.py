@@ -106,8 +106,10 @@ def dot_product_attention(
         "reference"). Forcing one that cannot run raises a ValueError naming what it lacks.
         "pallas_gpu" and "splash" forced on CPU run in Pallas interpret mode (slow; for tests).
       block_sizes: (block_q, block_k) tile sizes of the blocked path, each capped at its
-        sequence length; default: `tfx.ops.tile_sizes.choose_block_sizes` (BLOCK_Q x BLOCK_K
-        without a static mask, smaller tiles where a sparse one leaves them emptier).
+        sequence length; default: chosen per call by `tfx.ops.tile_sizes.choose_pieces`
+        (BLOCK_Q x BLOCK_K without a static mask, smaller tiles where a sparse one leaves them
+        emptier, and, without a bias, a strided pattern in two passes: its window, and its
+        strided pairs in residue order). Given tiles run in one pass.
       heads_major: key and value are [batch, num_kv_heads, kv_len, dim], as KV caches store
         them: `cached_attention` then runs (reference maths, the few queries of a decoding
         step), which takes visibility from `mask` and `bias` only; `implementation` and
