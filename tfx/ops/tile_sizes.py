@@ -74,8 +74,9 @@ def choose_pieces(spec: SparsitySpec | None, q_len: int, kv_len: int) -> tuple[P
 
     The model leaves out the pieces' residue reorders (a pass over query, key, value and the
     output each). Measured against one pass (8 heads of 64, float32, causal strided): forward
-    and backward 1.2-4.2x faster from N = 512 (stride 32) to N = 4096 (strides 64, 128), the
-    forward alone 0.87-0.95x as fast at N <= 1024 and 1.8-3.3x faster from N = 2048.
+    and backward 1.2-4.2x faster in all six cases from N = 512 (stride 32) to N = 4096
+    (strides 64, 128); the forward alone 1.6-3.3x faster in four, and 0.87x and 0.95x as fast
+    in two (N = 512, stride 32; N = 1024, stride 128).
     """
     whole = (Piece(spec, 1, *choose_block_sizes(spec, q_len, kv_len)),)
     split = strided_pieces(spec, q_len, kv_len)
