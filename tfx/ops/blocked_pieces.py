@@ -26,7 +26,7 @@ from tfx.ops.blocked_attention import (
     blocked_attention_backward,
     blocked_attention_forward,
 )
-from tfx.ops.residue_order import from_residue_order, to_residue_order
+from tfx.ops.residue_order import from_residue_order, residue_length, to_residue_order
 from tfx.ops.sparse import SparsitySpec
 
 __all__ = ["Piece", "pieced_attention"]
@@ -65,8 +65,7 @@ def _into(piece: Piece, query, key, value, inputs: ScoreInputs):
     """The piece's (query, key, value, inputs) in its token order, padded to whole tiles, and
     its plan."""
     stride, (block_q, block_k) = piece.stride, (piece.block_q, piece.block_k)
-    q_len = -(-query.shape[3] // stride) * stride
-    kv_len = -(-key.shape[2] // stride) * stride
+    q_len, kv_len = residue_length(query.shape[3], stride), residue_length(key.shape[2], stride)
 
     def along(x, axis, block):
         return _pad(to_residue_order(x, axis, stride), axis, block)
@@ -95,7 +94,7 @@ def _pad(x: jax.Array, axis: int, block: int) -> jax.Array:
 
 def _out_of(piece: Piece, x: jax.Array, axis: int, length: int) -> jax.Array:
     """A result of the piece's padded layout back in token order, cut to `length` tokens."""
-    padded = -(-length // piece.stride) * piece.stride
+    padded = residue_length(length, piece.stride)
     return from_residue_order(jax.lax.slice_in_dim(x, 0, padded, axis=axis), axis, piece.stride,
                               length)
 

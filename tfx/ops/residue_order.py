@@ -20,7 +20,8 @@ import numpy as np
 
 from tfx.ops.sparse import Causal, Intersection, SlidingWindow, SparsitySpec, Strided
 
-__all__ = ["StridedHistory", "from_residue_order", "strided_parts", "to_residue_order"]
+__all__ = ["StridedHistory", "from_residue_order", "residue_length", "strided_parts",
+           "to_residue_order"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,12 @@ def strided_parts(spec: SparsitySpec | None) -> tuple[SlidingWindow, int] | None
         return None
     stride = strided[0].stride
     return (SlidingWindow(stride), stride) if stride > 1 else None
+
+
+def residue_length(length: int, stride: int) -> int:
+    """A sequence of `length` tokens in residue order: padded to whole residues (a multiple of
+    `stride`)."""
+    return -(-length // stride) * stride
 
 
 def to_residue_order(x: jax.Array, axis: int, stride: int) -> jax.Array:

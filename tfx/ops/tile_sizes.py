@@ -23,7 +23,7 @@ import functools
 
 from tfx.ops.blocked_attention import BLOCK_K, BLOCK_Q
 from tfx.ops.blocked_pieces import Piece
-from tfx.ops.residue_order import StridedHistory, strided_parts
+from tfx.ops.residue_order import StridedHistory, residue_length, strided_parts
 from tfx.ops.sparse import SparsitySpec
 
 __all__ = ["PAIR_COST", "choose_block_sizes", "choose_pieces", "modelled_cost", "strided_pieces",
@@ -119,4 +119,4 @@ def _cheapest(spec: SparsitySpec, q_len: int, kv_len: int) -> tuple[float, tuple
 
 def _lengths(stride: int, q_len: int, kv_len: int) -> tuple[int, int]:
     """The sequence lengths in residue order modulo `stride`: padded to whole residues."""
-    return tuple(-(-n // stride) * stride for n in (q_len, kv_len))
+    return residue_length(q_len, stride), residue_length(kv_len, stride)
