@@ -10,8 +10,11 @@ seed and learning rate for every variant. Then, per variant: the final validatio
 parameter count; training tokens/s; KV-cache bytes per token, read off the arrays that
 `model.init_cache` returns (it must be 2 · layers · kv_heads · head_dim · 4 bytes in float32);
 and greedy decoding tokens/s with `tfx.generation.generate` (8 validation prompts of 32 bytes
-continued to the model's 256-token context, compiled first, the median of a few timed runs,
-prefill included). Writes experiments/results/attention_heads.{md,json,png} (--out).
+continued to the model's 256-token context, compiled first, prefill included): the median of
+3 rounds that time every variant in turn, each round the median of 5 runs, so that a slow
+moment of the machine cannot fall on one variant alone. Training tokens/s is the median of
+the logged speeds of every 10 steps but the first. Writes
+experiments/results/attention_heads.{md,json,png} (--out).
 
 Paper claim (Ainslie et al. 2023, "GQA"): grouped-query attention keeps quality close to
 multi-head attention while decoding almost as fast as multi-query attention, because each
@@ -43,11 +46,13 @@ VARIANTS = {"mha": 8, "gqa4": 4, "gqa2": 2, "mqa": 1}  # name -> key/value heads
 DECODE_BATCH = 8
 PROMPT_LEN = 32
 DECODE_REPEATS = 5
+DECODE_ROUNDS = 3
 NOTE = (f"\n{NUM_HEADS} query heads (each d_model / {NUM_HEADS} wide) in every variant; "
         "KV bytes/token from the float32 arrays of `init_cache`; decoding: greedy `generate`, "
-        f"{DECODE_BATCH} prompts of {PROMPT_LEN} bytes, median of {DECODE_REPEATS} runs after "
-        "compiling. Ainslie et al. 2023 found GQA close to MHA in quality and close to MQA in "
-        "decoding speed; the speed gain comes from reading fewer keys and values per token, and "
+        f"{DECODE_BATCH} prompts of {PROMPT_LEN} bytes, median of {DECODE_ROUNDS} rounds over "
+        f"the variants in turn, each the median of {DECODE_REPEATS} runs after compiling. "
+        "Ainslie et al. 2023 found GQA close to MHA in quality and close to MQA in decoding "
+        "speed; the speed gain comes from reading fewer keys and values per token, and "
         "a CPU decoding a model this small is not memory-bound, so speed differences here may "
         "be small.\n")
 
@@ -86,8 +91,9 @@ def decode_tokens_per_s(model: nnx.Module, prompts: np.ndarray, new_tokens: int)
     return prompts.shape[0] * new_tokens / statistics.median(times)
 
 
-def measure(experiment: Experiment, workdir: Path, new_tokens: int) -> dict:
-    """Train `experiment` in `workdir`, then measure the trained model."""
+def train_variant(experiment: Experiment, workdir: Path) -> tuple[nnx.Module, np.ndarray, dict]:
+    """Train `experiment` in `workdir`; return the trained model, the decoding prompts and its
+    measurements but the decoding speed."""
     trained = harness.train_measured(experiment, workdir)
     trainer = Trainer(experiment, workdir, sharded=False)
     trainer.restore()
@@ -95,12 +101,21 @@ def measure(experiment: Experiment, workdir: Path, new_tokens: int) -> dict:
     prompts = trainer.feed.val_stream.eval_batches(1, DECODE_BATCH, PROMPT_LEN)[0][:, :PROMPT_LEN]
     trainer.close()
     config = experiment.model
-    return {"kv_heads": config.kv_heads,
-            "val_loss": trained["val_loss"],
-            "kv_bytes_per_token": kv_bytes_per_token(model, DECODE_BATCH, config.max_len),
-            "decode_tokens_per_s": decode_tokens_per_s(model, prompts, new_tokens),
-            "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))),
-            "train_tokens_per_s": trained["tokens_per_s"]}
+    return model, prompts, {
+        "kv_heads": config.kv_heads, "val_loss": trained["val_loss"],
+        "kv_bytes_per_token": kv_bytes_per_token(model, DECODE_BATCH, config.max_len),
+        "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))),
+        "train_tokens_per_s": trained["tokens_per_s"]}
+
+
+def decode_rounds(trained: dict, new_tokens: int, rounds: int) -> dict[str, list[float]]:
+    """{variant: decoding tokens/s of each round}; every round times each of `trained`
+    ({variant: (model, prompts)}) in turn."""
+    speeds = {name: [] for name in trained}
+    for _ in range(rounds):
+        for name, (model, prompts) in trained.items():
+            speeds[name].append(decode_tokens_per_s(model, prompts, new_tokens))
+    return speeds
 
 
 def table(results: dict) -> str:
@@ -110,11 +125,13 @@ def table(results: dict) -> str:
              f"{r['kv_bytes_per_token']:,.0f}",
              f"{r['kv_bytes_per_token'] / mha['kv_bytes_per_token']:.3f}",
              f"{r['train_tokens_per_s']:,.0f}", f"{r['decode_tokens_per_s']:,.0f}",
+             " / ".join(f"{s:,.0f}" for s in r["decode_tokens_per_s_rounds"]),
              f"{r['decode_tokens_per_s'] / mha['decode_tokens_per_s']:.2f}"]
             for name, r in results.items()]
     return harness.markdown_table(
         ["variant", "KV heads", "params", "val loss (nats/byte)", "KV bytes/token",
-         "KV bytes vs MHA", "train tokens/s", "decode tokens/s", "decode speed vs MHA"],
+         "KV bytes vs MHA", "train tokens/s", "decode tokens/s", "decode tokens/s per round",
+         "decode speed vs MHA"],
         rows) + NOTE
 
 
@@ -143,14 +160,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser = harness.parser(__doc__)
     parser.add_argument("--steps", type=int, default=200, help="training steps per variant")
     args = parser.parse_args(argv)
-    results = {}
+    results, trained = {}, {}
     with harness.workdir(args) as runs:
         for name, kv_heads in VARIANTS.items():
             experiment = variant_experiment(kv_heads, args.steps, args.smoke)
-            new_tokens = 8 if args.smoke else experiment.model.max_len - PROMPT_LEN
-            results[name] = measure(experiment, runs / name, new_tokens)
-            print(f"{name}: val loss {results[name]['val_loss']:.4f}, "
-                  f"{results[name]['decode_tokens_per_s']:,.0f} decode tokens/s", flush=True)
+            model, prompts, results[name] = train_variant(experiment, runs / name)
+            trained[name] = model, prompts
+            print(f"{name}: val loss {results[name]['val_loss']:.4f}", flush=True)
+    new_tokens = 8 if args.smoke else experiment.model.max_len - PROMPT_LEN
+    rounds = 1 if args.smoke else DECODE_ROUNDS
+    for name, speeds in decode_rounds(trained, new_tokens, rounds).items():
+        results[name].update(decode_tokens_per_s=statistics.median(speeds),
+                             decode_tokens_per_s_rounds=speeds)
+        print(f"{name}: decode tokens/s per round {[round(s) for s in speeds]}", flush=True)
     harness.publish(NAME, results, table=table(results), plot=lambda p: plot(results, p),
                     args=args, argv=argv)
     return results

@@ -34,11 +34,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from tfx.train.config import Experiment, TrainConfig
-from tfx.train.loop import train
+from tfx.train.loop import Trainer, train
 from tfx.train.metrics import read_metrics
 
-__all__ = ["RESULTS", "markdown_table", "parser", "plt", "publish", "smoke_train",
-           "train_measured", "workdir"]
+__all__ = ["RESULTS", "checkpointed", "markdown_table", "measure_checkpoints", "parser", "plt",
+           "publish", "smoke_train", "train_measured", "workdir"]
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -70,6 +70,39 @@ def smoke_train(train_config: TrainConfig, *, steps: int = 3, seq_len: int = 32)
     return dataclasses.replace(train_config, steps=steps, batch_size=4, seq_len=seq_len,
                                log_every=1, eval_every=steps, eval_batches=1,
                                checkpoint_every=steps)
+
+
+def checkpointed(experiment: Experiment, steps: int, *, points: int, smoke: bool,
+                 smoke_model: dict) -> Experiment:
+    """`experiment` for `steps` steps, checkpointed at `points` evenly spaced steps (all kept,
+    for `measure_checkpoints`), evaluated by the loop at the end only. Warmup is capped at a
+    fifth of the steps. Smoke: `smoke_train`'s short batches and `smoke_model`'s sizes."""
+    every = max(1, steps // points)
+    train = dataclasses.replace(experiment.train, steps=steps)
+    if smoke:
+        train = smoke_train(train, steps=steps)
+    train = dataclasses.replace(
+        train, checkpoint_every=every, keep_checkpoints=steps // every + 1, eval_every=steps)
+    optim = dataclasses.replace(experiment.optim,
+                                warmup_steps=min(experiment.optim.warmup_steps, steps // 5))
+    model = experiment.model.replace(**smoke_model) if smoke else experiment.model
+    return dataclasses.replace(experiment, model=model, train=train, optim=optim)
+
+
+def measure_checkpoints(experiment: Experiment, workdir: Path,
+                        measure: Callable[[Trainer], dict]) -> list[dict]:
+    """[{"step": s, **measure(trainer)}] for the initialisation (s = 0) and every checkpoint
+    of the finished run in `workdir`, oldest first."""
+    trainer = Trainer(experiment, workdir)
+    try:
+        points = [{"step": 0, **measure(trainer)}]
+        for step in trainer.checkpoints.all_steps():
+            _, values = trainer.checkpoints.restore(trainer.state.to_dict(), step=step)
+            trainer.state = dataclasses.replace(trainer.state, **values)
+            points.append({"step": step, **measure(trainer)})
+    finally:
+        trainer.close()
+    return points
 
 
 def train_measured(experiment: Experiment, workdir: Path) -> dict:

@@ -1,14 +1,22 @@
-"""A dense decoder against mixture-of-experts decoders with the same active parameters per token.
+"""Dense decoders against mixture-of-experts decoders at equal active and at equal total
+parameters, trained long enough that every expert gets a fair share of the tokens.
 
-    python experiments/moe_vs_dense.py [--steps 200] [--json PATH] [--workdir DIR] [--smoke]
+    python experiments/moe_vs_dense.py [--steps 1000] [--json PATH] [--workdir DIR] [--smoke]
 
-Trains three models for the same steps on the same batches with the same seed (the gpt_char
-recipe): `dense`, the char-gpt preset (SwiGLU MLP of width 1024); `moe_k1`, 8 SwiGLU experts of
-width 1024 in every layer, top-1 (Switch routing); `moe_k2`, 8 experts of width 512, top-2 (the
-moe_gpt experiment). All train dropless (no capacity limit), with moe_gpt's load-balancing and
-router z losses. Measured: validation loss and training tokens/s; each MoE layer's expert load
-(share of the routed assignments per expert) on the validation batches; and the fraction of
-token-assignments the trained routers would drop at capacity factors 1.0, 1.25 and 2.0, found
+Trains four models for the same steps on the same batches with the same seed (the gpt_char
+recipe, scaled down in size so that the steps the experts need fit the time budget: d_model
+128, 2 layers, 4 heads): `dense`, a SwiGLU MLP of width 512; `moe_k1`, 4 SwiGLU experts of
+width 512 in every layer, top-1 (Switch routing); `moe_k2`, 8 experts of width 256, top-2;
+`dense_wide`, a SwiGLU MLP of width 2048. So `dense`, `moe_k1` and `moe_k2` have the same
+active parameters per token (the routers aside), and `dense_wide`, `moe_k1` and `moe_k2` the
+same total. Each expert receives k/E = 1/4 of the token-assignments; the default 1000 steps of
+16 x 128 tokens give each 512,000, more than the whole MLP of the earlier 200-step comparison
+at gpt_char's size saw (409,600), where each of 8 top-1 experts got 51,200. The table states
+the tokens per expert. All train dropless
+(no capacity limit), with moe_gpt's load-balancing and router z losses. Measured: validation
+loss and training tokens/s; each MoE layer's expert load (share of the routed assignments per
+expert) on the validation batches; and the fraction of token-assignments the trained routers
+would drop at capacity factors 1.0, 1.25 and 2.0, found
 by routing the real hidden states that enter each MoE layer with that capacity, together with
 the validation loss of each MoE model run at those capacities. Writes
 experiments/results/moe_vs_dense.{md,json,png} (--out).
@@ -41,31 +49,46 @@ from tfx.train.step import finish_eval
 
 CAPACITY_FACTORS = (1.0, 1.25, 2.0)
 MOE_MODELS = ("moe_k1", "moe_k2")
+MODELS = ("dense", "dense_wide", *MOE_MODELS)
+D_MODEL, D_FF, LAYERS = 128, 512, 2  # D_FF: the active MLP width; smoke: 32, 64 and 1 layer
+# name -> (experts, experts per token); dense models: (None, width in units of D_FF).
+SHAPES = {"dense": (None, 1), "dense_wide": (None, 4), "moe_k1": (4, 1), "moe_k2": (8, 2)}
 
 
 def experiments(steps: int, smoke: bool) -> dict[str, Experiment]:
-    """name -> Experiment: dense, moe_k1 and moe_k2, alike but for the feed-forward layers."""
-    dense, moe_k2 = get_experiment("gpt_char"), get_experiment("moe_gpt")
-    moe_k1 = dataclasses.replace(
-        moe_k2, model=moe_k2.model.replace(moe={"experts_per_token": 1, "d_ff": dense.model.d_ff}))
-    runs = {"dense": dense, "moe_k1": moe_k1, "moe_k2": moe_k2}
-    return {name: _sized(e, name, steps, smoke) for name, e in runs.items()}
+    """name -> Experiment for each of MODELS, alike but for the feed-forward layers: an active
+    width of D_FF per token in all but dense_wide, a total of 8 D_FF in all but dense."""
+    moe_gpt = get_experiment("moe_gpt")
+    d_model, d_ff = (32, 64) if smoke else (D_MODEL, D_FF)
+    base = moe_gpt.model.replace(d_model=d_model, num_layers=1 if smoke else LAYERS,
+                                 num_heads=2 if smoke else 4)
+    runs = {}
+    for name, (experts, k) in SHAPES.items():
+        model = (base.replace(d_ff=d_ff * k, moe=None) if experts is None else
+                 base.replace(d_ff=d_ff, moe={"num_experts": experts, "experts_per_token": k,
+                                              "d_ff": d_ff // k}))
+        runs[name] = _sized(dataclasses.replace(moe_gpt, name=name, model=model), steps, smoke)
+    return runs
 
 
-def _sized(experiment: Experiment, name: str, steps: int, smoke: bool) -> Experiment:
-    """`experiment` renamed, run for `steps` (a tiny model and a few steps when smoke)."""
-    t = experiment.train
+def _sized(experiment: Experiment, steps: int, smoke: bool) -> Experiment:
+    """`experiment` run for `steps` (a few short sequences when smoke)."""
     if smoke:
-        # Widths keep the full run's proportions: k experts of width d_ff / k.
-        m = experiment.model
-        model = m.replace(d_model=32, num_heads=2, attention={"num_kv_heads": 1}, num_layers=1,
-                          d_ff=64, moe=None if m.moe is None else {
-                              "d_ff": 64 // m.moe.experts_per_token})
-        return dataclasses.replace(experiment, name=name, model=model,
-                                   train=harness.smoke_train(t, steps=steps))
-    eval_every = max(1, steps // 5)
-    train = dataclasses.replace(t, steps=steps, eval_every=eval_every, checkpoint_every=steps)
-    return dataclasses.replace(experiment, name=name, train=train)
+        return dataclasses.replace(experiment, train=harness.smoke_train(experiment.train,
+                                                                         steps=steps))
+    train = dataclasses.replace(experiment.train, steps=steps, eval_every=max(1, steps // 6),
+                                checkpoint_every=steps)
+    return dataclasses.replace(experiment, train=train)
+
+
+def tokens_per_expert(experiment: Experiment) -> int:
+    """Token-assignments each expert (or the dense MLP) receives over the run, on average:
+    steps x tokens per step x k / E."""
+    t, moe_config = experiment.train, experiment.model.moe
+    tokens = t.steps * t.batch_size * t.seq_len
+    if moe_config is None:
+        return tokens
+    return tokens * moe_config.experts_per_token // moe_config.num_experts
 
 
 def parameter_counts(model: nnx.Module) -> tuple[int, int]:
@@ -173,6 +196,7 @@ def measure(experiment: Experiment, run: Path) -> dict:
     model, batches = trainer.model(), trainer.feed.validation()
     trainer.close()
     result["params"], result["active_params"] = parameter_counts(model)
+    result["tokens_per_expert"] = tokens_per_expert(experiment)
     if experiment.model.moe is not None:
         result["val_loss_at_capacity"] = {
             str(cf): validation_loss(with_capacity(model, cf), batches)
@@ -190,41 +214,43 @@ def table(results: dict) -> str:
     """The comparison table, then each MoE layer's expert load."""
     no_router = "n/a: dense, no router"
     rows = []
-    for name in ("dense", *MOE_MODELS):
+    for name in MODELS:
         r = results[name]
-        row = [name, f"{r['params']:,}", f"{r['active_params']:,}", f"{r['val_loss']:.4f}",
-               f"{r['tokens_per_s']:.0f}"]
+        row = [name, f"{r['params']:,}", f"{r['active_params']:,}",
+               f"{r['tokens_per_expert']:,}", f"{r['val_loss']:.4f}", f"{r['tokens_per_s']:.0f}"]
         for cf in map(str, CAPACITY_FACTORS):
-            row += ([no_router] * 2 if name == "dense" else
+            row += ([no_router] * 2 if name not in MOE_MODELS else
                     [f"{r['val_loss_at_capacity'][cf]:.4f}",
                      f"{results['dropped_fraction'][cf][name]:.2%} (C={r['capacity'][cf]})"])
         rows.append(row)
-    header = ["model", "params", "active params / token", "val loss (dropless)",
-              "train tokens/s"]
+    header = ["model", "params", "active params / token", "tokens per expert (dense: MLP)",
+              "val loss (dropless)", "train tokens/s"]
     for cf in CAPACITY_FACTORS:
         header += [f"val loss at cf {cf}", f"dropped at cf {cf}"]
     comparison = harness.markdown_table(header, rows) + (
-        "\nAll three trained dropless. Dropped: the share of token-assignments (tokens x k) "
-        "over capacity when the trained routers route the hidden states that enter each MoE "
-        "layer on the validation batches, C assignments per expert and batch; val loss at cf: "
-        "the same weights run with that capacity. Tokens/s: training, on this machine's "
-        "CPUs, where the experts' sorted dispatch costs more than its FLOPs.\n")
-    experts = len(results["moe_k1"]["expert_load"][0])
-    load_rows = [[name, layer, *(f"{share:.3f}" for share in shares)]
-                 for name in MOE_MODELS
-                 for layer, shares in enumerate(results[name]["expert_load"])]
-    load = harness.markdown_table(["model", "layer", *(f"expert {i}" for i in range(experts))],
-                                  load_rows)
-    return (comparison + "\nExpert load: share of the routed (dropless) assignments per expert "
-            "on the validation batches (balanced = "
-            f"{1 / experts:.3f}).\n\n" + load)
+        "\nAll four trained dropless; tokens per expert: the token-assignments each expert "
+        "received over training on average (steps x tokens per step x k / E). Dropped: the "
+        "share of token-assignments (tokens x k) over capacity when the trained routers route "
+        "the hidden states that enter each MoE layer on the validation batches, C assignments "
+        "per expert and batch; val loss at cf: the same weights run with that capacity. "
+        "Tokens/s: training, on this machine's CPUs, where the experts' sorted dispatch costs "
+        "more than its FLOPs.\n")
+    loads = []
+    for name in MOE_MODELS:
+        experts = len(results[name]["expert_load"][0])
+        rows = [[layer, *(f"{share:.3f}" for share in shares)]
+                for layer, shares in enumerate(results[name]["expert_load"])]
+        loads.append(f"\nExpert load of {name}: share of the routed (dropless) assignments per "
+                     f"expert on the validation batches (balanced = {1 / experts:.4f}).\n\n"
+                     + harness.markdown_table(["layer", *map(str, range(experts))], rows))
+    return comparison + "".join(loads)
 
 
 def plot(results: dict, path: Path) -> None:
     """Validation curves, the expert load of each MoE model, dropped share vs capacity."""
     fig, axes = harness.plt.subplots(2, 2, figsize=(11, 8))
     curves, drops = axes[0]
-    for name in ("dense", *MOE_MODELS):
+    for name in MODELS:
         steps, losses = zip(*results[name]["curve"], strict=True)
         curves.plot(steps, losses, marker="o", label=name)
     curves.set(xlabel="step", ylabel="validation loss (nats/byte)", title="Validation loss")
@@ -250,7 +276,7 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = harness.parser(__doc__)
-    parser.add_argument("--steps", type=int, default=200, help="training steps per model")
+    parser.add_argument("--steps", type=int, default=1000, help="training steps per model")
     args = parser.parse_args(argv)
     steps = 3 if args.smoke else args.steps
     results = {}

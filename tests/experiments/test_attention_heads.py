@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import importlib
 import math
+import statistics
 
 import pytest
 from smoke_runs import smoke_run
 
-KEYS = {"kv_heads", "val_loss", "kv_bytes_per_token", "decode_tokens_per_s", "params",
-        "train_tokens_per_s"}
+KEYS = {"kv_heads", "val_loss", "kv_bytes_per_token", "decode_tokens_per_s",
+        "decode_tokens_per_s_rounds", "params", "train_tokens_per_s"}
 
 
 @pytest.mark.slow
@@ -28,6 +29,7 @@ def test_smoke_run_measures_every_variant(tmp_path):
         assert math.isfinite(r["val_loss"]) and r["val_loss"] > 0
         assert r["kv_bytes_per_token"] == 2 * model.num_layers * r["kv_heads"] * head_dim * 4
         assert r["decode_tokens_per_s"] > 0 and r["train_tokens_per_s"] > 0
+        assert r["decode_tokens_per_s"] == statistics.median(r["decode_tokens_per_s_rounds"])
     # Fewer key/value heads only shrink the key and value projections, d_model x head_dim each.
     for name in ("gqa4", "gqa2", "mqa"):
         removed = (results["mha"]["kv_heads"] - results[name]["kv_heads"]) * head_dim

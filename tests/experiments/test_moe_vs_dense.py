@@ -1,4 +1,4 @@
-"""experiments/moe_vs_dense.py in --smoke mode, so that it never rots: the three models train,
+"""experiments/moe_vs_dense.py in --smoke mode, so that it never rots: the four models train,
 and the JSON holds the keys the issue promises with numbers that obey their definitions."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import math
 import pytest
 from smoke_runs import smoke_run
 
-MODELS = ("dense", "moe_k1", "moe_k2")
+MODELS = ("dense", "dense_wide", "moe_k1", "moe_k2")
 FACTORS = ("1.0", "1.25", "2.0")
+SMOKE_TOKENS = 3 * 4 * 32  # steps x batch x sequence of harness.smoke_train
 
 
 @pytest.mark.slow
@@ -21,19 +22,26 @@ def test_smoke_run_compares_dense_and_moe(tmp_path):
         r = results[name]
         assert math.isfinite(r["val_loss"]) and r["val_loss"] > 0
         assert r["tokens_per_s"] > 0
-    # Equal active parameters: one expert of width d_ff, or two of d_ff / 2, plus the router.
-    dense, k1, k2 = (results[name] for name in MODELS)
-    assert k1["active_params"] == k2["active_params"]
+    dense, wide, k1, k2 = (results[name] for name in MODELS)
+    # The smoke models: 1 layer of width 32; the active MLP is 64 wide: one SwiGLU expert of
+    # width 64 (4 experts) or two of width 32 (8 experts), plus the router.
     assert dense["active_params"] == dense["params"]
-    # The smoke models: 1 layer of width 32, with an 8-expert router.
-    assert k1["active_params"] - dense["active_params"] == 32 * 8
-    assert k2["params"] < k1["params"]  # 8 experts of width d_ff / 2 against d_ff
+    assert k1["active_params"] - dense["active_params"] == 32 * 4
+    assert k2["active_params"] - dense["active_params"] == 32 * 8
+    # Equal totals: 4 x 64 = 8 x 32 = 256 wide, each a SwiGLU of 3 matrices d_model x width.
+    assert k1["params"] - wide["params"] == 32 * 4
+    assert k2["params"] - wide["params"] == 32 * 8
+    assert wide["params"] - dense["params"] == 3 * 32 * (256 - 64)
+    # Each expert gets k / E = 1/4 of the tokens; a dense MLP all of them.
+    assert dense["tokens_per_expert"] == wide["tokens_per_expert"] == SMOKE_TOKENS
+    assert k1["tokens_per_expert"] == k2["tokens_per_expert"] == SMOKE_TOKENS // 4
 
     assert set(results["dropped_fraction"]) == set(FACTORS)
     for name in ("moe_k1", "moe_k2"):
         r = results[name]
         for shares in r["expert_load"]:
-            assert len(shares) == 8 and sum(shares) == pytest.approx(1.0)
+            assert len(shares) == {"moe_k1": 4, "moe_k2": 8}[name]
+            assert sum(shares) == pytest.approx(1.0)
         drops = [results["dropped_fraction"][cf][name] for cf in FACTORS]
         assert all(0.0 <= d <= 1.0 for d in drops)
         assert drops == sorted(drops, reverse=True)  # more capacity, never more drops

@@ -25,9 +25,10 @@ def rows(task, batch):
 
 def reference(name, source):
     """The tasks written out independently of SyntheticTask.answer."""
-    if name == "addition":
+    if name.startswith("addition"):
         a, b = source.split("+")
-        return str(int(a) + int(b))
+        total = str(int(a) + int(b))
+        return total[::-1] if name == "addition_reversed" else total
     return {"copy": source, "reverse": source[::-1], "sort": "".join(sorted(source))}[name]
 
 
@@ -42,7 +43,7 @@ def test_labels_are_the_answer_to_the_source(name):
 @pytest.mark.parametrize("name", TASKS)
 def test_shapes_and_dtypes_are_fixed(name):
     task = SyntheticTask(name, min_len=3, max_len=9)
-    source_len = 10 if name == "addition" else 9
+    source_len = 10 if name.startswith("addition") else 9
     assert (task.source_len, task.target_len) == (source_len, 10)
     for step in range(5):
         batch = task.batch(step, 8, seed=step)
@@ -168,3 +169,14 @@ def test_bad_batch_arguments_and_answer_input():
         task.batch(-1, 2, seed=0)
     with pytest.raises(ValueError, match="source_text"):
         task.answer("12-3")
+
+
+def test_reversed_addition_writes_the_sum_least_significant_digit_first():
+    plain, backwards = SyntheticTask("addition"), SyntheticTask("addition_reversed")
+    assert backwards.answer("95+7") == "201"
+    first, second = plain.batch(2, 64, seed=3), backwards.batch(2, 64, seed=3)
+    np.testing.assert_array_equal(first["input_ids"], second["input_ids"])  # same sums
+    np.testing.assert_array_equal(first["label_mask"], second["label_mask"])
+    for (_, answer), (_, reversed_answer) in zip(rows(plain, first), rows(backwards, second),
+                                                 strict=True):
+        assert reversed_answer == answer[::-1]

@@ -143,7 +143,7 @@ class TrainConfig:
 class DataConfig:
     """Where tokens come from. `source`: None for the embedded corpus (the Python standard
     library's own source files), or a text file / folder; `task`: a synthetic seq2seq task
-    (copy, reverse, sort, addition) instead of text."""
+    (copy, reverse, sort, addition, addition_reversed) instead of text."""
 
     source: str | None = None
     """A text file or folder; None for the embedded corpus (the standard library's source)."""
@@ -151,7 +151,7 @@ class DataConfig:
     """"byte" (byte-level ids) or the path of a tokenizers tokenizer.json."""
     val_fraction: float = 0.05
     """Share of the files held out for validation (split by a hash of their path)."""
-    task: Literal["copy", "reverse", "sort", "addition"] | None = None
+    task: Literal["copy", "reverse", "sort", "addition", "addition_reversed"] | None = None
     """A synthetic seq2seq task instead of text."""
     min_len: int = 4
     """Shortest task input."""

@@ -147,8 +147,9 @@ class SequenceToSequence(Objective):
     def check(self, experiment: Experiment) -> None:
         super().check(experiment)
         if experiment.data.task is None:
-            raise ValueError(f"objective {self.name!r} needs data.task (copy, reverse, sort, "
-                             "addition)")
+            from tfx.train.tasks import TASKS
+
+            raise ValueError(f"objective {self.name!r} needs data.task, one of {TASKS}")
 
     def _loss(self) -> Loss:
         from tfx.train.losses import sequence_to_sequence

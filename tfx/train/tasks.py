@@ -5,6 +5,10 @@
 - addition: "a+b" -> the decimal sum, where a and b together have `min_len..max_len` digits
   (`min_len >= 2`): the total is drawn uniformly, a's share uniformly from 1..total-1, and each
   number uniformly among those with that many digits (no leading zeros; one digit includes 0).
+- addition_reversed: the same sums with the answer written least significant digit first, as
+  Lee et al. 2023 (Teaching Arithmetic to Small Transformers) do: each answer digit then
+  follows from two source digits and the carry just written, instead of from carries that an
+  answer written most significant digit first has not yet produced.
 
 Like `tfx.train.data`, a batch is a pure function of `(seed, step)`, built with numpy on the host,
 and every batch has the same padded shapes, so the train step compiles once.
@@ -21,9 +25,16 @@ from tfx.train.data import ByteTokenizer, _check_int
 
 __all__ = ["TASKS", "SyntheticTask"]
 
-TASKS = ("copy", "reverse", "sort", "addition")
+TASKS = ("copy", "reverse", "sort", "addition", "addition_reversed")
 MAX_ADDITION_DIGITS = 18  # operands and sums stay far below int64's 9.2e18
 _SUM = re.compile(r"(\d+)\+(\d+)")
+
+
+def _reversed(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """[B, W] rows whose first `lengths` [B] entries are kept -> those entries reversed (the
+    rest is not meaningful)."""
+    backwards = np.maximum(lengths[:, None] - 1 - np.arange(values.shape[1]), 0)
+    return np.take_along_axis(values, backwards, axis=1)
 
 
 def _digits(numbers: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -40,7 +51,7 @@ class SyntheticTask:
     """One of `TASKS` with its byte tokenizer (specials [PAD], [BOS] (decoder start), [EOS]).
 
     Attributes:
-      name: "copy", "reverse", "sort" or "addition".
+      name: one of `TASKS`.
       min_len, max_len: letters per source string, or digits of a and b together for addition.
     """
 
@@ -53,12 +64,17 @@ class SyntheticTask:
     def __post_init__(self):
         if self.name not in TASKS:
             raise ValueError(f"name must be one of {TASKS}, got {self.name!r}")
-        shortest = 2 if self.name == "addition" else 1
+        shortest = 2 if self.is_addition else 1
         _check_int("min_len", self.min_len, shortest)
         _check_int("max_len", self.max_len, self.min_len)
-        if self.name == "addition" and self.max_len > MAX_ADDITION_DIGITS:
+        if self.is_addition and self.max_len > MAX_ADDITION_DIGITS:
             raise ValueError(f"max_len must be <= {MAX_ADDITION_DIGITS} for addition, got "
                              f"{self.max_len}")
+
+    @property
+    def is_addition(self) -> bool:
+        """Whether the sources are sums "a+b" (addition, addition_reversed)."""
+        return self.name.startswith("addition")
 
     @property
     def pad_id(self) -> int:
@@ -75,7 +91,7 @@ class SyntheticTask:
     @property
     def source_len(self) -> int:
         """Encoder positions S: the longest source ("a+b" has one more than its digits)."""
-        return self.max_len + (self.name == "addition")
+        return self.max_len + self.is_addition
 
     @property
     def target_len(self) -> int:
@@ -94,7 +110,8 @@ class SyntheticTask:
         if match is None:
             raise ValueError(f"source_text must look like '12+345' for addition, got "
                              f"{source_text!r}")
-        return str(int(match[1]) + int(match[2]))
+        total = str(int(match[1]) + int(match[2]))
+        return total[::-1] if self.name == "addition_reversed" else total
 
     def decode_target(self, ids) -> str:
         """Decoder output ids [T] (labels or generated tokens) -> text up to the first EOS."""
@@ -113,7 +130,7 @@ class SyntheticTask:
         step, seed = _check_int("step", step, 0), _check_int("seed", seed, 0)
         batch_size = _check_int("batch_size", batch_size, 1)
         rng = np.random.default_rng([seed, step])
-        if self.name == "addition":
+        if self.is_addition:
             source, source_lengths, target, target_lengths = self._additions(rng, batch_size)
         else:
             source, source_lengths, target, target_lengths = self._letters(rng, batch_size)
@@ -126,8 +143,7 @@ class SyntheticTask:
         if self.name == "copy":
             target = letters
         elif self.name == "reverse":
-            backwards = np.maximum(lengths[:, None] - 1 - col, 0)
-            target = np.take_along_axis(letters, backwards, axis=1)
+            target = _reversed(letters, lengths)
         else:  # sort: padding as 255 sorts after every letter
             target = np.sort(np.where(col < lengths[:, None], letters, 255), axis=1)
         return letters, lengths, target, lengths
@@ -139,6 +155,8 @@ class SyntheticTask:
         numbers = [rng.integers(np.where(n == 1, 0, 10 ** (n - 1)), 10**n) for n in (a_len, b_len)]
         a, b = (_digits(n, self.max_len)[0] for n in numbers)
         target, target_lengths = _digits(numbers[0] + numbers[1], self.max_len)
+        if self.name == "addition_reversed":
+            target = _reversed(target, target_lengths)
         # "a+b": a's digits, then "+" at column a_len, then b's digits.
         col = np.arange(self.source_len)
         a_col, b_col = a_len[:, None], col - a_len[:, None] - 1
