@@ -10,7 +10,13 @@ from smoke_runs import smoke_run
 @pytest.mark.slow
 def test_smoke_run_writes_every_rank(tmp_path):
     results, _ = smoke_run("lora_rank", tmp_path)
-    assert set(results) == {"frozen", "full", "lora_r1", "lora_r2"}
+    assert set(results) == {"frozen", "full", "continued", "lora_r1", "lora_r2",
+                            "lora_r1_lr0.006", "lora_r1_lr0.02"}
+    assert [results[f"lora_r1{lr}"]["learning_rate"] for lr in ("", "_lr0.006", "_lr0.02")] == [
+        2e-3, 6e-3, 2e-2]
+    # The control trained on the pretraining corpus only: measured, not fine-tuned, on xml/.
+    assert results["continued"]["curve"] == [] and results["continued"]["trainable_params"] == 0
+    assert results["continued"]["val_loss"] != results["frozen"]["val_loss"]
     for r in results.values():
         assert r["val_loss"] > 0
     # Two LoRA factors on q and v in every layer: r·(d_in + d_out) each.
