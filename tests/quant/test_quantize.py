@@ -119,7 +119,9 @@ def test_split_merge_under_jit_keeps_the_quantized_model():
     quantized = quantize(create(CONFIG, rngs=nnx.Rngs(0)), "int8")
     graphdef, state = nnx.split(quantized)
     jitted = jax.jit(lambda s, ids: nnx.merge(graphdef, s)(ids))(state, IDS)
-    np.testing.assert_allclose(jitted, quantized(IDS), rtol=1e-6, atol=1e-6)
+    # Against the same model under jit, bit for bit: a jitted and an op-by-op forward round
+    # differently (by ~1e-6 here), which says nothing about split and merge.
+    chex.assert_trees_all_equal(jitted, nnx.jit(lambda m, ids: m(ids))(quantized, IDS))
 
 
 def test_tied_head_and_embeddings_stay_float():
