@@ -27,6 +27,7 @@ from tfx.ops.blocked_pieces import Piece, pieced_attention
 from tfx.ops.context_parallel import SEQUENCE_AXIS, context_parallel_attention
 from tfx.ops.gpu_attention import cudnn_attention, pallas_gpu_attention
 from tfx.ops.masks import combine_masks, segment_mask
+from tfx.ops.score_products import query_key_scores, weighted_values
 from tfx.ops.sparse import Causal, SparsitySpec
 from tfx.ops.splash import key_mask_as_segments, splash_attention
 from tfx.ops.tile_sizes import choose_block_sizes, choose_pieces
@@ -340,14 +341,16 @@ def _grouped(x: jax.Array, num_kv_heads: int) -> jax.Array:
 
 
 def _reference_attention(query, key, value, bias, mask, scores, kv_layout="bskd"):
-    """The materialised-scores maths; scores: (scale, softcap or None)."""
+    """The materialised-scores maths; scores: (scale, softcap or None); kv_layout: "bskd" (key
+    and value [batch, kv_len, heads, dim]) or "bksd" (heads-major, as caches store them)."""
     scale, softcap = scores
     batch, q_len, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[kv_layout.index("k")]
-    grouped_query = query.reshape(batch, q_len, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    logits = jnp.einsum(
-        f"btkgd,{kv_layout}->bkgts", grouped_query, key, preferred_element_type=jnp.float32
-    )
+    grouped_query = query.reshape(batch, q_len, num_kv_heads, num_heads // num_kv_heads,
+                                  head_dim).transpose(0, 2, 3, 1, 4)
+    if kv_layout == "bskd":
+        key, value = (x.transpose(0, 2, 1, 3) for x in (key, value))
+    logits = query_key_scores(grouped_query, key)
     logits, _ = soft_cap(logits * jnp.float32(scale), softcap)  # Gemma 2: before bias and mask
     mask = None if mask is None else _grouped(mask, num_kv_heads)
     if bias is not None:
@@ -366,7 +369,7 @@ def _reference_attention(query, key, value, bias, mask, scores, kv_layout="bskd"
         weights = jnp.where(mask, weights, 0.0)
     total = jnp.sum(weights, axis=-1, keepdims=True)
     probs = weights / jnp.where(total == 0.0, 1.0, total)
-    out = jnp.einsum(f"bkgts,{kv_layout}->btkgd", probs.astype(value.dtype), value)
+    out = weighted_values(probs.astype(value.dtype), value).transpose(0, 3, 1, 2, 4)
     return out.reshape(batch, q_len, num_heads, value.shape[-1])
 
 
