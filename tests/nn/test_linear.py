@@ -1,6 +1,6 @@
-"""Every projection of tfx's models computes its product with tfx.ops.matmul.flat_dot_general,
-LoRA and quantization keep it, and a model's outputs are those of the same weights with
-lax.dot_general."""
+"""Every projection of tfx's models is a tfx.nn.linear.Linear computing its product with
+tfx.ops.matmul.flat_dot_general, LoRA and quantization keep it, a Linear's values and gradients
+are nnx.Linear's, and a model's outputs are those of the same weights with lax.dot_general."""
 
 import chex
 import jax
@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import tfx
+from tfx.nn.linear import Linear, flat_linear, is_plain
 from tfx.ops.matmul import flat_dot_general
 from tfx.peft.core import find_modules
 
@@ -28,6 +29,38 @@ def test_every_linear_is_flat(preset):
     assert linears, preset
     assert {path: m.dot_general for path, m in linears} == \
         {path: flat_dot_general for path, _ in linears}
+    assert all(type(m) is Linear for _, m in linears), {type(m) for _, m in linears}
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_linear_values_and_gradients_equal_nnx_linear(dtype, use_bias):
+    ours = flat_linear(6, 5, use_bias=use_bias, dtype=dtype, rngs=nnx.Rngs(0),
+                       bias_init=nnx.initializers.normal(1.0))
+    theirs = nnx.Linear(6, 5, use_bias=use_bias, dtype=dtype, rngs=nnx.Rngs(0),
+                        bias_init=nnx.initializers.normal(1.0))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 4, 6)), jnp.float32)
+
+    def loss(module, x):
+        return jnp.sum(jnp.sin(module(x).astype(jnp.float32)))
+
+    chex.assert_trees_all_equal(ours(x), theirs(x))
+    grads = [nnx.grad(loss, argnums=(0, 1))(m, x) for m in (ours, theirs)]
+    tolerance = 1e-6 if dtype is None else 2e-2
+    chex.assert_trees_all_close(nnx.state(grads[0][0]), nnx.state(grads[1][0]),
+                                atol=tolerance, rtol=tolerance)
+    chex.assert_trees_all_close(grads[0][1], grads[1][1], atol=tolerance, rtol=tolerance)
+
+
+def test_is_plain_tells_plain_layers_from_their_lora_and_quantized_forms():
+    pytest.importorskip("qwix")
+    model = tfx.models.create("char-gpt", rngs=nnx.Rngs(0), **small("char-gpt"))
+    assert all(is_plain(m) for _, m in find_modules(model, nnx.Linear))
+    assert is_plain(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    tfx.peft.LoRA(rank=2, targets=("query",)).attach(tfx.quant.quantize(model, "int8"),
+                                                     rngs=nnx.Rngs(1))
+    kinds = {type(m).__name__: is_plain(m) for _, m in find_modules(model, nnx.Linear)}
+    assert len(kinds) == 2 and not any(kinds.values()), kinds
 
 
 def test_decoder_logits_equal_lax_dot_general():

@@ -1,14 +1,16 @@
 """tfx.ops.matmul.flat_dot_general against numpy's product and lax.dot_general (values and
-gradients), and its delegation of every contraction that is not a projection."""
+gradients), and its delegation of every contraction that is not a projection; add_bias against
+the plain sum and its gradient."""
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tfx.ops.matmul import flat_dot_general
+from tfx.ops.matmul import add_bias, flat_dot_general
 
 
 def dims(x):
@@ -60,3 +62,51 @@ def test_precision_and_result_type_pass_through():
                            preferred_element_type=jnp.float32)
     chex.assert_type(out, jnp.float32)
     chex.assert_trees_all_equal(out, jnp.full((2, 3, 5), 4.0, jnp.float32))
+
+
+@settings(max_examples=25, deadline=None)
+@given(lead=st.lists(st.integers(1, 5), min_size=0, max_size=3), d_out=st.integers(1, 6),
+       seed=st.integers(0, 2**16))
+def test_add_bias_values_and_gradients_equal_the_plain_sum(lead, d_out, seed):
+    rng = np.random.default_rng(seed)
+    y = jnp.float32(rng.standard_normal((*lead, d_out)))
+    b = jnp.float32(rng.standard_normal(d_out))
+    chex.assert_trees_all_equal(add_bias(y, b), y + b)
+    grads = jax.grad(lambda y, b: jnp.sum(jnp.sin(add_bias(y, b))), argnums=(0, 1))(y, b)
+    # the reference: autodiff of the broadcast add, its bias gradient summed in float64
+    dy = np.cos(np.float64(y) + np.float64(b))
+    chex.assert_trees_all_close(grads, (dy, dy.reshape(-1, d_out).sum(0)), atol=1e-5,
+                                rtol=1e-5)
+
+
+def test_add_bias_keeps_bfloat16_and_sums_in_float32():
+    y = jnp.full((512, 3), 1.0, jnp.bfloat16)
+    b = jnp.zeros(3, jnp.bfloat16)
+    grad = jax.grad(lambda b: jnp.sum(add_bias(y, b) * 0.01))(b)
+    chex.assert_type(grad, jnp.bfloat16)
+    # 512 terms of bfloat16(0.01) = 0.010009765625 sum to 5.125 exactly in float32; summed in
+    # bfloat16 they drift (4.0 in sequence; XLA's reduce of the plain y + b gives 5.03)
+    chex.assert_trees_all_equal(grad, jnp.full(3, 5.125, jnp.bfloat16))
+
+
+def test_add_bias_rejects_a_bias_of_another_shape_or_dtype():
+    y = jnp.ones((2, 3), jnp.float32)
+    with pytest.raises(ValueError, match=r"bias must be \[3\] of dtype float32"):
+        add_bias(y, jnp.ones(4, jnp.float32))
+    with pytest.raises(ValueError, match=r"bias must be \[3\] of dtype float32"):
+        add_bias(y, jnp.ones(3, jnp.bfloat16))
+
+
+def test_add_bias_gradient_is_a_product_not_a_reduce_window():
+    """Under the training step's CPU options, autodiff of y + b compiles the bias gradient into
+    reduce-windows (the test can fail); add_bias's compiles into none."""
+    y, b = jnp.ones((16, 255, 384)), jnp.ones(384)
+    options = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+    def compiled(add):
+        grad = jax.jit(jax.grad(lambda y, b: jnp.sum(jax.nn.gelu(add(y, b))), argnums=(0, 1)))
+        return grad.lower(y, b).compile(compiler_options=options).as_text()
+
+    if jax.default_backend() == "cpu":
+        assert "reduce-window" in compiled(jnp.add)
+    assert "reduce-window" not in compiled(add_bias)

@@ -15,7 +15,7 @@ from tfx.models.leading import leading_inputs
 from tfx.models.stack import Embeddings, Stack
 from tfx.nn import axes
 from tfx.nn.embeddings import TokenEmbedding
-from tfx.nn.linear import flat_linear
+from tfx.nn.linear import flat_linear, is_plain
 from tfx.ops.activations import softcap
 from tfx.ops.kv_cache import (
     KVCache,
@@ -192,5 +192,5 @@ class Decoder(nnx.Module):
         if self.head is None:
             tokens = self.embeddings.tokens
             return tokens.table[...].T if type(tokens) is TokenEmbedding else None
-        return self.head.kernel[...] if type(self.head) is nnx.Linear else None
+        return self.head.kernel[...] if is_plain(self.head) else None
 

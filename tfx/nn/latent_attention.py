@@ -29,7 +29,7 @@ from flax import nnx
 
 from tfx.nn import axes
 from tfx.nn.caches import Keys, KVLayer, NoCache
-from tfx.nn.linear import flat_linear
+from tfx.nn.linear import flat_linear, is_plain
 from tfx.nn.norms import make_norm
 from tfx.nn.positions import Position
 from tfx.ops import _checks, dot_product_attention
@@ -193,7 +193,7 @@ class LatentAttention(nnx.Module):
         multiply-adds per head than expanding (kv_b over every key, then attention at
         qk_head_dim and v_head_dim) — queries in and out of latent space, then attention at
         kv_lora_rank + qk_rope_head_dim and kv_lora_rank."""
-        if type(self.kv_b) is not nnx.Linear:  # its kernel may not be its whole weight
+        if not is_plain(self.kv_b):  # its kernel may not be its whole weight
             return False
         if self.absorb is not None:
             return self.absorb

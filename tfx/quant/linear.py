@@ -1,16 +1,17 @@
 """A linear layer whose kernel is stored quantized, and the variable kind of such weights.
 
-`QuantizedLinear` is an `nnx.Linear` (so code that looks for linear layers, such as LoRA's
-`attach`, finds it) whose `kernel` holds the quantized codes and `kernel_scale` their scales;
-the forward dequantizes the kernel and multiplies in the compute dtype. Both are `Quantized`
-variables, not `nnx.Param`s: frozen weights that no optimiser and no gradient sees.
+`QuantizedLinear` is an `nnx.Linear` (tfx's `Linear`, so code that looks for linear layers,
+such as LoRA's `attach`, finds it) whose `kernel` holds the quantized codes and `kernel_scale`
+their scales; the forward dequantizes the kernel and multiplies in the compute dtype. Both are
+`Quantized` variables, not `nnx.Param`s: frozen weights that no optimiser and no gradient sees.
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
+
+from tfx.nn.linear import Linear
 
 try:
     import qwix
@@ -28,8 +29,9 @@ class Quantized(nnx.Variable):
     """
 
 
-class QuantizedLinear(nnx.Linear):
-    """y = x·dequantize(codes, scale) + bias, the product in the compute dtype.
+class QuantizedLinear(Linear):
+    """y = x·dequantize(codes, scale) + bias, the product in the compute dtype (tfx's
+    `Linear` with the dequantized kernel as its `weight()`).
 
     Args:
       base: the float `nnx.Linear` to quantize (kernel [..., d_in, d_out]; leading axes, e.g.
@@ -54,17 +56,3 @@ class QuantizedLinear(nnx.Linear):
         kernel's)."""
         return qwix.dequantize(qwix.QArray(self.kernel[...], self.kernel_scale[...],
                                            qtype=self.qtype))
-
-    def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
-        """[..., d_in] -> [..., d_out], in `dtype` (else the inputs' and scale's common type)."""
-        weight = self.weight()
-        dtype = self.dtype or jnp.result_type(inputs.dtype, weight.dtype)
-        kwargs = {"out_sharding": out_sharding}
-        if self.preferred_element_type is not None:
-            kwargs["preferred_element_type"] = self.preferred_element_type
-        y = self.dot_general(inputs.astype(dtype), weight.astype(dtype),
-                             (((inputs.ndim - 1,), (0,)), ((), ())), precision=self.precision,
-                             **kwargs)
-        if self.bias is not None:
-            y += self.bias[...].astype(dtype)
-        return y

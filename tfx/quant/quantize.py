@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from tfx.nn.linear import is_plain
 from tfx.nn.paths import path_name
 from tfx.peft.core import find_modules, path_matcher, set_module
 from tfx.quant.linear import QuantizedLinear, qwix
@@ -76,7 +77,7 @@ def _targets(model: nnx.Module, targets) -> list[tuple[tuple, nnx.Linear]]:
         if name.endswith(_NEVER):
             raise ValueError(f"targets: {name} is an MoE router, read as a matrix by the "
                              "routing op; it cannot be quantized")
-        if type(module) is not nnx.Linear:
+        if not is_plain(module):
             raise ValueError(f"targets: {name} is a {type(module).__name__}, not a plain "
                              "nnx.Linear; quantize a plain model once, before attaching LoRA")
     return chosen
