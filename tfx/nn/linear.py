@@ -45,5 +45,5 @@ def flat_linear(in_features: int, out_features: int, **kwargs) -> Linear:
 
 def is_plain(module: nnx.Module) -> bool:
     """Whether `module` is a linear layer whose kernel is its whole weight: `nnx.Linear` or
-    `Linear`, not a subclass that adds to it or stores it otherwise (LoRA, quantized)."""
+    `Linear`, not a subclass that adds a term to it or stores it otherwise (quantized)."""
     return type(module) in (nnx.Linear, Linear)
