@@ -89,6 +89,16 @@ def test_add_bias_keeps_bfloat16_and_sums_in_float32():
     chex.assert_trees_all_equal(grad, jnp.full(3, 5.125, jnp.bfloat16))
 
 
+def test_add_bias_keeps_float64_under_x64():
+    with jax.enable_x64(True):
+        y, b = jnp.ones((1000, 2), jnp.float64), jnp.zeros(2, jnp.float64)
+        weight = jnp.full((1000, 2), 1 + 2.0**-30, jnp.float64)
+        grad = jax.grad(lambda b: jnp.sum(add_bias(y, b) * weight))(b)
+        chex.assert_type(grad, jnp.float64)
+        # exact in float64; a float32 sum loses the 2**-30 and gives 1000
+        chex.assert_trees_all_equal(grad, jnp.full(2, 1000 * (1 + 2.0**-30), jnp.float64))
+
+
 def test_add_bias_rejects_a_bias_of_another_shape_or_dtype():
     y = jnp.ones((2, 3), jnp.float32)
     with pytest.raises(ValueError, match=r"bias must be \[3\] of dtype float32"):

@@ -14,8 +14,9 @@ The bias gradient of y + b is the sum of the output gradient over every row. XLA
 its YNNPACK fusions (how tfx's training step compiles dense models, see
 `tfx.train.step.compiler_options`) rewrites that sum over the [batch·seq] axis into a tree of
 `reduce-window` ops fused with the elementwise backward around it: about 16 ms each on the
-6-layer/384 GPT's step, 276 ms of its op time. `add_bias` computes it as ones[rows] · g[rows,
-out], one matrix-vector product (the same step's reductions: 112 ms).
+6-layer/384 GPT's step. `add_bias` computes it as ones[rows] · g[rows, out], one
+matrix-vector product: that step went from 1,650-1,720 to 1,850-1,900 tokens/s (same-session
+A/B runs; benchmarks/train.py).
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ def _add_bias_fwd(y: jax.Array, bias: jax.Array):
 def _add_bias_bwd(_, g: jax.Array):
     rows = g.reshape(-1, g.shape[-1])
     ones = jnp.ones((rows.shape[0],), g.dtype)
-    bias_grad = jnp.matmul(ones, rows, preferred_element_type=jnp.float32)
+    # Summed in float32 at least: a bfloat16 running sum drifts; float64 stays float64.
+    total_dtype = jnp.promote_types(g.dtype, jnp.float32)
+    bias_grad = jnp.matmul(ones, rows, preferred_element_type=total_dtype)
     return g, bias_grad.astype(g.dtype)
 
 
