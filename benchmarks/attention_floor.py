@@ -48,29 +48,33 @@ def visited_tiles(n: int) -> tuple[np.ndarray, int, int]:
     return np.asarray(tiles, np.int32), block_q, block_k
 
 
+def _dot(pattern: str, a, b):
+    return jnp.einsum(pattern, a, b, preferred_element_type=jnp.float32)
+
+
 def xla_products(tiles: np.ndarray, block_q: int, block_k: int, backward: bool):
     """A jitted (q, k, v [heads, N, D]) -> float32 sum of the tile products, looping as the
     kernel does."""
     table = jnp.asarray(tiles)
 
-    def body(i, acc):
-        q = jax.lax.dynamic_slice_in_dim(acc[1], table[i, 0] * block_q, block_q, 1)
-        k, v = (jax.lax.dynamic_slice_in_dim(x, table[i, 1] * block_k, block_k, 1)
-                for x in acc[2:])
-        dot = lambda pattern, a, b: jnp.einsum(pattern, a, b,  # noqa: E731
-                                               preferred_element_type=jnp.float32)
-        scores = dot("hqd,hsd->hqs", q, k).astype(v.dtype)
-        total = acc[0] + dot("hqs,hsd->hqd", scores, v)
-        if backward:  # the same shapes as the backward's products (P, dS stand in for scores)
-            d_probs = dot("hqd,hsd->hqs", q, v).astype(v.dtype)
-            total += dot("hqs,hsd->hqd", dot("hqd,hsd->hqs", q, k).astype(v.dtype), k)
-            side = dot("hqs,hqd->hsd", scores, q) + dot("hqs,hqd->hsd", d_probs, q)
-            total += side.sum(axis=1, keepdims=True)
-        return (total, *acc[1:])
-
     def run(q, k, v):
-        init = (jnp.zeros((q.shape[0], block_q, q.shape[-1]), jnp.float32), q, k, v)
-        return jax.lax.fori_loop(0, len(tiles), body, init)[0]
+        def body(i, total):
+            q_tile = jax.lax.dynamic_slice_in_dim(q, table[i, 0] * block_q, block_q, 1)
+            k_tile, v_tile = (jax.lax.dynamic_slice_in_dim(x, table[i, 1] * block_k, block_k,
+                                                           1) for x in (k, v))
+            scores = _dot("hqd,hsd->hqs", q_tile, k_tile).astype(v.dtype)
+            total += _dot("hqs,hsd->hqd", scores, v_tile)
+            if backward:  # the backward's shapes (P and dS stand in for scores)
+                d_probs = _dot("hqd,hsd->hqs", q_tile, v_tile).astype(v.dtype)
+                recomputed = _dot("hqd,hsd->hqs", q_tile, k_tile).astype(v.dtype)
+                total += _dot("hqs,hsd->hqd", recomputed, k_tile)
+                side = _dot("hqs,hqd->hsd", scores, q_tile) + _dot("hqs,hqd->hsd", d_probs,
+                                                                    q_tile)
+                total += side.sum(axis=1, keepdims=True)
+            return total
+
+        init = jnp.zeros((q.shape[0], block_q, q.shape[-1]), jnp.float32)
+        return jax.lax.fori_loop(0, len(tiles), body, init)
 
     return jax.jit(run)
 
