@@ -77,7 +77,7 @@ def dense_runner(args, hidden: int, options="train"):
     """A compiled forward+backward of a SwiGLU MLP down(silu(x gate) * x up) with `hidden`
     units."""
     x, _, weights = _inputs(args.tokens, args.d_model, hidden, 1)
-    params = tuple(w[0] for w in weights)
+    params = (weights.gate[0], weights.up[0], weights.down[0])
 
     def loss(x, params):
         gate, up, down = params
