@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 from timing import markdown_table, provenance, publish, write_json
 
-from tfx.ops.moe import ExpertWeights, moe
+from tfx.ops.moe import ExpertWeights, grouped_matmul, moe, route, router_logits
+from tfx.ops.moe.dispatch import block_layout
 from tfx.train.step import compiler_options
 
 CAPACITY_FACTOR = 1.25
@@ -86,6 +87,47 @@ def dense_runner(args, hidden: int, options="train"):
     options = compiler_options(has_experts=False) if options == "train" else options
     step = jax.jit(jax.grad(loss, argnums=(0, 1)), compiler_options=options)
     return lambda: jax.block_until_ready(step(x, params))
+
+
+def products_runners(args, experts: int, k: int, options) -> tuple[dict, float]:
+    """One expert projection [d_model -> d_ff] forward and backward (the gradients of rows and
+    weights): tfx's grouped matmul on the sorted, padded rows of the layer's real routing,
+    and one dense matmul over the same tokens · k rows. Returns the two runners and the
+    padding (rows multiplied / assignments)."""
+    x, router, weights = _inputs(args.tokens, args.d_model, args.d_ff, experts)
+    routing = route(router_logits(x, router), num_selected=k)
+    rows, _, block_expert, used = block_layout(x, routing, experts, 128)
+    padding = float(used) * 128 / (args.tokens * k)
+    assigned = jnp.repeat(x, k, axis=0)
+
+    def grouped(rows, matrices):
+        return jnp.sum(jnp.tanh(grouped_matmul(rows, matrices, block_expert, used)))
+
+    def dense(rows, matrix):
+        return jnp.sum(jnp.tanh(rows @ matrix))
+
+    runners = {}
+    for name, loss, inputs in (("grouped", grouped, (rows, weights.up)),
+                               ("dense", dense, (assigned, weights.up[0]))):
+        step = jax.jit(jax.grad(loss, argnums=(0, 1)), compiler_options=options)
+        runners[name] = lambda step=step, inputs=inputs: jax.block_until_ready(step(*inputs))
+    return runners, padding
+
+
+def products_table(args) -> list[dict]:
+    """Where the MoE layer's time goes beyond padding: the grouped matmul against one dense
+    matmul over the same rows, at each E (largest k), under both compiler option sets."""
+    k, rows = max(args.k), []
+    for experts in args.experts:
+        for label, options in (("XLA default", None), ("no YNNPACK", NO_YNN)):
+            runners, padding = products_runners(args, experts, k, options)
+            ms = interleaved_ms(runners, args.repeats)
+            rows.append({"experts": experts, "k": k, "compiler_options": label,
+                         "padding": padding, "grouped_ms": ms["grouped"],
+                         "dense_ms": ms["dense"]})
+            print(f"E={experts} k={k} {label:11s} padding {padding:.3f}  grouped "
+                  f"{ms['grouped']:7.1f} ms  dense {ms['dense']:7.1f} ms", flush=True)
+    return rows
 
 
 def interleaved_ms(runners: dict, repeats: int) -> dict:
@@ -225,6 +267,22 @@ def render(results: dict) -> str:
                                  [[r["implementation"], r["block_size"], r["compiler_options"],
                                    r["ms"], r["ms"] / dense[r["compiler_options"]]]
                                   for r in rows])]
+    if results.get("products"):
+        lines += ["", "## One expert projection, forward+backward: grouped vs dense matmul (ms)",
+                  "", f"x [{c['tokens']} tokens · k, {c['d_model']}] times [{c['d_model']}, "
+                  f"{c['d_ff']}] and the gradients of both, summed through tanh: tfx's "
+                  "`grouped_matmul` on the layer's sorted rows (routing of the benchmark's "
+                  "router, groups padded to 128-row blocks) against one dense matmul over the "
+                  "same tokens · k rows. padding: rows multiplied / assignments. block cost: "
+                  "grouped / (dense · padding), what the block loop costs per row beyond the "
+                  "padding.", "",
+                  markdown_table(["E", "k", "compiler options", "padding", "grouped", "dense",
+                                  "grouped / dense", "block cost"],
+                                 [[r["experts"], r["k"], r["compiler_options"], r["padding"],
+                                   r["grouped_ms"], r["dense_ms"],
+                                   r["grouped_ms"] / r["dense_ms"],
+                                   r["grouped_ms"] / (r["dense_ms"] * r["padding"])]
+                                  for r in results["products"]])]
     return "\n".join(lines) + "\n"
 
 
@@ -248,7 +306,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="1024 tokens, d_model 128, d_ff 256, 2 repeats, no options section")
     parser.add_argument("--skip", type=lambda v: v.split(","), default=[],
-                        help="sections to skip: main,options")
+                        help="sections to skip: main,options,products")
     parser.add_argument("--update", help="start from this results JSON (sections measured now "
                                          "replace its own)")
     parser.add_argument("--json", help="write the results to this path")
@@ -281,6 +339,9 @@ def main() -> None:
         results["options"] = options_table(args)
         results["options_load"] = [load_before, os.getloadavg()[0]]
         results.update(options_summary(results["options"]))
+    if "products" not in args.skip:
+        print("\n# one projection: grouped vs dense matmul", flush=True)
+        results["products"] = products_table(args)
     markdown = args.markdown or (args.json[:-5] + ".md" if args.json and
                                  args.json.endswith(".json") else None)
     publish(render(results), results, json_path=args.json, markdown_path=markdown)

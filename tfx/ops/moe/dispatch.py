@@ -196,16 +196,23 @@ def sorted_rows(x, routing: Routing, experts: int, block: int, num_rows: int):
     return gather_rows(x, destination, routing.kept, num_rows), destination, sizes
 
 
-def _blocked(x, routing: Routing, weights, activation, block: int):
-    experts = weights.up.shape[0]
+def block_layout(x, routing: Routing, experts: int, block: int):
+    """The rows of "sorted" and how `grouped_matmul` visits them: (rows [num_blocks · block,
+    d] sorted by expert, each group padded to a multiple of `block`; destination [tokens, k];
+    block_expert int32 [num_blocks], the expert of each block; used int32 [], the blocks that
+    hold rows). num_blocks leaves room for any grouping of the tokens · k assignments."""
     tokens, k = routing.expert_ids.shape
     block = min(block, tokens * k)
-    num_blocks = -(-(tokens * k + experts * (block - 1)) // block)  # room for any grouping
+    num_blocks = -(-(tokens * k + experts * (block - 1)) // block)
     rows, destination, sizes = sorted_rows(x, routing, experts, block, num_blocks * block)
     ends = jnp.cumsum(sizes)
     block_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(num_blocks) * block,
                                                 side="right"), experts - 1).astype(jnp.int32)
-    used = (ends[-1] // block).astype(jnp.int32)
+    return rows, destination, block_expert, (ends[-1] // block).astype(jnp.int32)
+
+
+def _blocked(x, routing: Routing, weights, activation, block: int):
+    rows, destination, block_expert, used = block_layout(x, routing, weights.up.shape[0], block)
     out = _expert_mlp(rows, weights, activation,
                       lambda a, w: grouped_matmul(a, w, block_expert, used))
     return combine_rows(out, destination, routing, x.dtype)
