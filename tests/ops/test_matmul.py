@@ -1,6 +1,6 @@
 """tfx.ops.matmul.flat_dot_general against numpy's product and lax.dot_general (values and
-gradients), and its delegation of every contraction that is not a projection; add_bias against
-the plain sum and its gradient."""
+gradients), and its delegation of every contraction that is not a projection; add_bias and
+apply_scale against the plain sum and product and their gradients."""
 
 import chex
 import jax
@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tfx.ops.matmul import add_bias, flat_dot_general
+from tfx.ops.matmul import add_bias, apply_scale, flat_dot_general
+
+PLAIN = [(add_bias, jnp.add), (apply_scale, jnp.multiply)]
 
 
 def dims(x):
@@ -79,37 +81,57 @@ def test_add_bias_values_and_gradients_equal_the_plain_sum(lead, d_out, seed):
                                 rtol=1e-5)
 
 
-def test_add_bias_keeps_bfloat16_and_sums_in_float32():
+@settings(max_examples=25, deadline=None)
+@given(lead=st.lists(st.integers(1, 5), min_size=0, max_size=3), d_out=st.integers(1, 6),
+       seed=st.integers(0, 2**16))
+def test_apply_scale_values_and_gradients_equal_the_plain_product(lead, d_out, seed):
+    rng = np.random.default_rng(seed)
+    y = jnp.float32(rng.standard_normal((*lead, d_out)))
+    s = jnp.float32(rng.standard_normal(d_out))
+    chex.assert_trees_all_equal(apply_scale(y, s), y * s)
+    grads = jax.grad(lambda y, s: jnp.sum(jnp.sin(apply_scale(y, s))), argnums=(0, 1))(y, s)
+    # the reference: d sin(y s) = cos(y s) (s dy + y ds), the scale's part summed in float64
+    g = np.cos(np.float64(y) * np.float64(s))
+    chex.assert_trees_all_close(grads, (g * np.float64(s), (g * np.float64(y)).reshape(
+        -1, d_out).sum(0)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("op", [add_bias, apply_scale])
+def test_parameter_gradient_keeps_bfloat16_and_sums_in_float32(op):
     y = jnp.full((512, 3), 1.0, jnp.bfloat16)
-    b = jnp.zeros(3, jnp.bfloat16)
-    grad = jax.grad(lambda b: jnp.sum(add_bias(y, b) * 0.01))(b)
+    b = jnp.ones(3, jnp.bfloat16) if op is apply_scale else jnp.zeros(3, jnp.bfloat16)
+    grad = jax.grad(lambda b: jnp.sum(op(y, b) * 0.01))(b)
     chex.assert_type(grad, jnp.bfloat16)
     # 512 terms of bfloat16(0.01) = 0.010009765625 sum to 5.125 exactly in float32; summed in
     # bfloat16 they drift (4.0 in sequence; XLA's reduce of the plain y + b gives 5.03)
     chex.assert_trees_all_equal(grad, jnp.full(3, 5.125, jnp.bfloat16))
 
 
-def test_add_bias_keeps_float64_under_x64():
+@pytest.mark.parametrize("op", [add_bias, apply_scale])
+def test_parameter_gradient_keeps_float64_under_x64(op):
     with jax.enable_x64(True):
         y, b = jnp.ones((1000, 2), jnp.float64), jnp.zeros(2, jnp.float64)
         weight = jnp.full((1000, 2), 1 + 2.0**-30, jnp.float64)
-        grad = jax.grad(lambda b: jnp.sum(add_bias(y, b) * weight))(b)
+        grad = jax.grad(lambda b: jnp.sum(op(y, b) * weight))(b)
         chex.assert_type(grad, jnp.float64)
         # exact in float64; a float32 sum loses the 2**-30 and gives 1000
         chex.assert_trees_all_equal(grad, jnp.full(2, 1000 * (1 + 2.0**-30), jnp.float64))
 
 
-def test_add_bias_rejects_a_bias_of_another_shape_or_dtype():
+@pytest.mark.parametrize("op, name", [(add_bias, "bias"), (apply_scale, "scale")])
+def test_rejects_a_parameter_of_another_shape_or_dtype(op, name):
     y = jnp.ones((2, 3), jnp.float32)
-    with pytest.raises(ValueError, match=r"bias must be \[3\] of dtype float32"):
-        add_bias(y, jnp.ones(4, jnp.float32))
-    with pytest.raises(ValueError, match=r"bias must be \[3\] of dtype float32"):
-        add_bias(y, jnp.ones(3, jnp.bfloat16))
+    with pytest.raises(ValueError, match=rf"{name} must be \[3\] of dtype float32"):
+        op(y, jnp.ones(4, jnp.float32))
+    with pytest.raises(ValueError, match=rf"{name} must be \[3\] of dtype float32"):
+        op(y, jnp.ones(3, jnp.bfloat16))
 
 
-def test_add_bias_gradient_is_a_product_not_a_reduce_window():
-    """Under the training step's CPU options, autodiff of y + b compiles the bias gradient into
-    reduce-windows (the test can fail); add_bias's compiles into none."""
+@pytest.mark.parametrize("op, plain", PLAIN)
+def test_parameter_gradient_is_a_product_not_a_reduce_window(op, plain):
+    """Under the training step's CPU options, autodiff of y + b (or y · s) compiles the
+    parameter's gradient into reduce-windows (the test can fail); add_bias's and apply_scale's
+    compile into none."""
     y, b = jnp.ones((16, 255, 384)), jnp.ones(384)
     options = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
@@ -118,5 +140,5 @@ def test_add_bias_gradient_is_a_product_not_a_reduce_window():
         return grad.lower(y, b).compile(compiler_options=options).as_text()
 
     if jax.default_backend() == "cpu":
-        assert "reduce-window" in compiled(jnp.add)
-    assert "reduce-window" not in compiled(add_bias)
+        assert "reduce-window" in compiled(plain)
+    assert "reduce-window" not in compiled(op)

@@ -14,6 +14,7 @@ from flax import nnx
 from tfx.nn import axes
 from tfx.nn.caches import Keys, NoCache, cache_for
 from tfx.nn.linear import flat_linear
+from tfx.nn.norms import make_norm
 from tfx.nn.positions import Position
 from tfx.ops.attention import IMPLEMENTATIONS
 from tfx.ops.kv_cache import LayerKV
@@ -186,8 +187,8 @@ class QKNorm(nnx.Module):
         if kind not in QK_NORMS:
             raise ValueError(f"qk_norm must be one of {QK_NORMS} or None, got {kind!r}")
         self.width = head_dim if kind == "per_head" else num_heads * head_dim
-        self.norm = nnx.RMSNorm(self.width, epsilon=eps, dtype=dtype, param_dtype=param_dtype,
-                                rngs=rngs)
+        self.norm = make_norm("rms", self.width, epsilon=eps, dtype=dtype,
+                              param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         groups = x.reshape(*x.shape[:-1], -1, self.width)

@@ -1,5 +1,6 @@
 """Projections as one flat matmul: `flat_dot_general`, a drop-in `lax.dot_general` for
-`nnx.Linear(dot_general=...)`, and `add_bias`, whose bias gradient is a matmul too.
+`nnx.Linear(dot_general=...)`; `add_bias` and `apply_scale`, whose parameter gradients are
+matmuls too.
 
 A projection x[batch, seq, in] · W[in, out] written as one 3-D `dot_general` makes XLA's
 backward contract the output gradient over (batch, seq) for W's gradient, and on CPU it copies
@@ -16,7 +17,8 @@ its YNNPACK fusions (how tfx's training step compiles dense models, see
 `reduce-window` ops fused with the elementwise backward around it: about 16 ms each on the
 6-layer/384 GPT's step. `add_bias` computes it as ones[rows] · g[rows, out], one
 matrix-vector product: that step went from 1,650-1,720 to 1,850-1,900 tokens/s (same-session
-A/B runs; benchmarks/train.py).
+A/B runs; benchmarks/train.py). A norm's learned scale has the same kind of gradient, the sum
+of g · x over the rows, and `apply_scale` computes it the same way.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["add_bias", "flat_dot_general"]
+__all__ = ["add_bias", "apply_scale", "flat_dot_general"]
 
 
 @functools.partial(jax.jit, static_argnames=("dimension_numbers", "precision",
@@ -71,12 +73,43 @@ def _add_bias_fwd(y: jax.Array, bias: jax.Array):
 
 
 def _add_bias_bwd(_, g: jax.Array):
+    return g, _row_sum(g)
+
+
+add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
+
+
+@jax.custom_vjp
+def apply_scale(y: jax.Array, scale: jax.Array) -> jax.Array:
+    """y [..., features] · scale [features] (the same dtype), a norm's learned scale, with the
+    scale gradient Σ_rows g · y computed as one matrix-vector product (module docstring).
+    Reverse-mode differentiable only."""
+    return _apply_scale(y, scale)
+
+
+def _apply_scale(y: jax.Array, scale: jax.Array) -> jax.Array:
+    if scale.shape != y.shape[-1:] or scale.dtype != y.dtype:
+        raise ValueError(f"apply_scale: scale must be [{y.shape[-1]}] of dtype {y.dtype} (y's "
+                         f"last axis and dtype), got {scale.shape} {scale.dtype}")
+    return y * scale
+
+
+def _apply_scale_fwd(y: jax.Array, scale: jax.Array):
+    return _apply_scale(y, scale), (y, scale)
+
+
+def _apply_scale_bwd(residuals, g: jax.Array):
+    y, scale = residuals
+    return g * scale, _row_sum(g * y)
+
+
+apply_scale.defvjp(_apply_scale_fwd, _apply_scale_bwd)
+
+
+def _row_sum(g: jax.Array) -> jax.Array:
+    """g [..., n] summed over every leading axis, as ones[rows] · g[rows, n], in g's dtype."""
     rows = g.reshape(-1, g.shape[-1])
     ones = jnp.ones((rows.shape[0],), g.dtype)
     # Summed in float32 at least: a bfloat16 running sum drifts; float64 stays float64.
     total_dtype = jnp.promote_types(g.dtype, jnp.float32)
-    bias_grad = jnp.matmul(ones, rows, preferred_element_type=total_dtype)
-    return g, bias_grad.astype(g.dtype)
-
-
-add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
+    return jnp.matmul(ones, rows, preferred_element_type=total_dtype).astype(g.dtype)
