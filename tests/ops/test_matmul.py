@@ -66,34 +66,26 @@ def test_precision_and_result_type_pass_through():
     chex.assert_trees_all_equal(out, jnp.full((2, 3, 5), 4.0, jnp.float32))
 
 
-@settings(max_examples=25, deadline=None)
-@given(lead=st.lists(st.integers(1, 5), min_size=0, max_size=3), d_out=st.integers(1, 6),
-       seed=st.integers(0, 2**16))
-def test_add_bias_values_and_gradients_equal_the_plain_sum(lead, d_out, seed):
-    rng = np.random.default_rng(seed)
-    y = jnp.float32(rng.standard_normal((*lead, d_out)))
-    b = jnp.float32(rng.standard_normal(d_out))
-    chex.assert_trees_all_equal(add_bias(y, b), y + b)
-    grads = jax.grad(lambda y, b: jnp.sum(jnp.sin(add_bias(y, b))), argnums=(0, 1))(y, b)
-    # the reference: autodiff of the broadcast add, its bias gradient summed in float64
-    dy = np.cos(np.float64(y) + np.float64(b))
-    chex.assert_trees_all_close(grads, (dy, dy.reshape(-1, d_out).sum(0)), atol=1e-5,
-                                rtol=1e-5)
+def float64_gradients(plain, y, p):
+    """Gradients of sum(sin(y ∘ p)) for y and for p (∘: + or ·), in float64, p's summed over
+    every row: d sin(y + p) = cos(y + p) (dy + dp), d sin(y p) = cos(y p) (p dy + y dp)."""
+    y, p, added = np.float64(y), np.float64(p), plain is jnp.add
+    g = np.cos(y + p if added else y * p)
+    dy, dp = (g, g) if added else (g * p, g * y)
+    return dy, dp.reshape(-1, p.shape[0]).sum(0)
 
 
 @settings(max_examples=25, deadline=None)
-@given(lead=st.lists(st.integers(1, 5), min_size=0, max_size=3), d_out=st.integers(1, 6),
-       seed=st.integers(0, 2**16))
-def test_apply_scale_values_and_gradients_equal_the_plain_product(lead, d_out, seed):
+@given(ops=st.sampled_from(PLAIN), lead=st.lists(st.integers(1, 5), min_size=0, max_size=3),
+       d_out=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_values_and_gradients_equal_the_plain_sum_and_product(ops, lead, d_out, seed):
+    op, plain = ops
     rng = np.random.default_rng(seed)
     y = jnp.float32(rng.standard_normal((*lead, d_out)))
-    s = jnp.float32(rng.standard_normal(d_out))
-    chex.assert_trees_all_equal(apply_scale(y, s), y * s)
-    grads = jax.grad(lambda y, s: jnp.sum(jnp.sin(apply_scale(y, s))), argnums=(0, 1))(y, s)
-    # the reference: d sin(y s) = cos(y s) (s dy + y ds), the scale's part summed in float64
-    g = np.cos(np.float64(y) * np.float64(s))
-    chex.assert_trees_all_close(grads, (g * np.float64(s), (g * np.float64(y)).reshape(
-        -1, d_out).sum(0)), atol=1e-5, rtol=1e-5)
+    p = jnp.float32(rng.standard_normal(d_out))
+    chex.assert_trees_all_equal(op(y, p), plain(y, p))
+    grads = jax.grad(lambda y, p: jnp.sum(jnp.sin(op(y, p))), argnums=(0, 1))(y, p)
+    chex.assert_trees_all_close(grads, float64_gradients(plain, y, p), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("op", [add_bias, apply_scale])
