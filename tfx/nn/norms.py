@@ -1,10 +1,8 @@
 """Normalisation layers by name: LayerNorm (BERT, GPT-2) and RMSNorm (LLaMA, T5).
 
-Both are subclasses of Flax's layers with the same parameters, settings and checkpoint layout.
-Only where the learned scale and bias are applied changes: by `tfx.ops.matmul.apply_scale` and
-`add_bias`, whose gradients sum over the rows as a matrix-vector product. XLA:CPU without its
-YNNPACK fusions (how tfx's training step compiles dense models) otherwise turns each of those
-row sums into a tree of reduce-window ops (see `tfx.ops.matmul`).
+Both are subclasses of Flax's layers with the same parameters, settings and checkpoint layout,
+whose call is `tfx.ops.norms`' function: the same maths, with the scale and bias gradients
+computed as matrix-vector products (why, there).
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tfx.ops.matmul import add_bias, apply_scale
+from tfx.ops.norms import layer_norm, rms_norm
 
 __all__ = ["NORMS", "LayerNorm", "RMSNorm", "make_norm"]
 
@@ -21,44 +19,24 @@ NORMS = ("layer", "rms")
 
 
 class LayerNorm(nnx.LayerNorm):
-    """`nnx.LayerNorm` over the last axis: (x - mean) / sqrt(var + epsilon) · scale + bias,
-    statistics in float32 at least (Flax's "fast variance", E[x²] - E[x]²)."""
+    """`nnx.LayerNorm` over the last axis, computed by `tfx.ops.norms.layer_norm`."""
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return _affine(self, x.dtype, _normalized(x, self.epsilon, centre=True))
+        """[..., features] -> [..., features] in `dtype` (else x's and the parameters')."""
+        return layer_norm(x, _value(self.scale), _value(self.bias), epsilon=self.epsilon,
+                          dtype=self.dtype)
 
 
 class RMSNorm(nnx.RMSNorm):
-    """`nnx.RMSNorm` over the last axis: x / sqrt(mean(x²) + epsilon) · scale, statistics in
-    float32 at least."""
+    """`nnx.RMSNorm` over the last axis, computed by `tfx.ops.norms.rms_norm`."""
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return _affine(self, x.dtype, _normalized(x, self.epsilon, centre=False))
+        """[..., features] -> [..., features] in `dtype` (else x's and the parameters')."""
+        return rms_norm(x, _value(self.scale), epsilon=self.epsilon, dtype=self.dtype)
 
 
-def _normalized(x: jax.Array, epsilon: float, *, centre: bool) -> jax.Array:
-    """x [..., features] standardised over its last axis, in float32 or wider (x's dtype)."""
-    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    mean_square = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-    if not centre:
-        return x * jax.lax.rsqrt(mean_square + epsilon)
-    mean = jnp.mean(x, axis=-1, keepdims=True)
-    variance = jnp.maximum(0.0, mean_square - jnp.square(mean))
-    return (x - mean) * jax.lax.rsqrt(variance + epsilon)
-
-
-def _affine(norm: nnx.LayerNorm | nnx.RMSNorm, input_dtype, normalized: jax.Array) -> jax.Array:
-    """The norm's scale (and bias) applied to `normalized` in its precision, returned in the
-    dtype Flax's layer returns: its `dtype`, else the promotion of the input's and the
-    parameters'."""
-    params = [p[...] for p in (norm.scale, getattr(norm, "bias", None)) if p is not None]
-    dtype = norm.dtype or jnp.result_type(input_dtype, *params)
-    y = normalized.astype(jnp.promote_types(normalized.dtype, dtype))
-    if norm.scale is not None:
-        y = apply_scale(y, norm.scale[...].astype(y.dtype))
-    if getattr(norm, "bias", None) is not None:
-        y = add_bias(y, norm.bias[...].astype(y.dtype))
-    return y.astype(dtype)
+def _value(param: nnx.Param | None) -> jax.Array | None:
+    return None if param is None else param[...]
 
 
 def make_norm(kind: str, d_model: int, *, epsilon: float, dtype=None, param_dtype=jnp.float32,
