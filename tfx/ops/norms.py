@@ -10,6 +10,8 @@ dense models) would otherwise turn each of those row sums into a tree of reduce-
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -19,6 +21,7 @@ from tfx.ops.matmul import add_bias, apply_scale
 __all__ = ["layer_norm", "rms_norm"]
 
 
+@functools.partial(jax.jit, static_argnames=("epsilon", "dtype"))
 def layer_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | None = None, *,
                epsilon: float, dtype=None) -> jax.Array:
     """(x - mean) / sqrt(var + epsilon) · scale + bias over the last axis.
@@ -38,6 +41,7 @@ def layer_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | N
     return _affine(_standardised(x, epsilon, centre=True), x.dtype, scale, bias, dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("epsilon", "dtype"))
 def rms_norm(x: jax.Array, scale: jax.Array | None = None, *, epsilon: float,
              dtype=None) -> jax.Array:
     """x / sqrt(mean(x²) + epsilon) · scale over the last axis. Arguments, result and errors
