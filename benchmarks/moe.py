@@ -44,6 +44,7 @@ from tfx.train.step import compiler_options
 CAPACITY_FACTOR = 1.25
 NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}  # XLA CPU without YNNPACK fusions
 GOALS = {"sorted_vs_onehot": 0.33, "moe_vs_dense_active": 1.5}
+BLOCK = 128  # rows per block of "sorted": experts_ffn's default block_size
 
 
 
@@ -96,8 +97,8 @@ def products_runners(args, experts: int, k: int, options) -> tuple[dict, float]:
     padding (rows multiplied / assignments)."""
     x, router, weights = _inputs(args.tokens, args.d_model, args.d_ff, experts)
     routing = route(router_logits(x, router), num_selected=k)
-    rows, _, block_expert, used = block_layout(x, routing, experts, 128)
-    padding = float(used) * 128 / (args.tokens * k)
+    rows, _, block_expert, used = block_layout(x, routing, experts, BLOCK)
+    padding = float(used) * BLOCK / (args.tokens * k)
     assigned = jnp.repeat(x, k, axis=0)
 
     def grouped(rows, matrices):
@@ -272,7 +273,7 @@ def render(results: dict) -> str:
                   "", f"x [{c['tokens']} tokens · k, {c['d_model']}] times [{c['d_model']}, "
                   f"{c['d_ff']}] and the gradients of both, summed through tanh: tfx's "
                   "`grouped_matmul` on the layer's sorted rows (routing of the benchmark's "
-                  "router, groups padded to 128-row blocks) against one dense matmul over the "
+                  f"router, groups padded to {BLOCK}-row blocks) against one dense matmul over the "
                   "same tokens · k rows. padding: rows multiplied / assignments. block cost: "
                   "grouped / (dense · padding), what the block loop costs per row beyond the "
                   "padding.", "",

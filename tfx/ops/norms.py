@@ -72,7 +72,8 @@ def _affine(standardised, input_dtype, scale, bias, dtype) -> jax.Array:
             raise ValueError(f"{name} must be [features] = [{features}] (x's last axis), got "
                              f"shape {tuple(param.shape)}")
     params = [p for p in (scale, bias) if p is not None]
-    dtype = dtype or jnp.result_type(input_dtype, *params)
+    if dtype is None:
+        dtype = jnp.result_type(input_dtype, *params)
     y = standardised.astype(jnp.promote_types(standardised.dtype, dtype))
     if scale is not None:
         y = apply_scale(y, jnp.asarray(scale, y.dtype))
