@@ -1,6 +1,6 @@
 """tfx.ops.score_products against the products written out with numpy (values) and against
-autodiff of plain einsums (gradients), and the layout claim: no transposed copy of the scores
-in the compiled backward."""
+autodiff of plain einsums (gradients), and the layout claims: no transposed copy of the scores
+in the compiled backward, and none of the keys in key_query_scores' forward."""
 
 import re
 
@@ -8,10 +8,11 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tfx.ops.score_products import query_key_scores, weighted_values
+from tfx.ops.score_products import key_query_scores, query_key_scores, weighted_values
 
 
 def plain_scores(query, key):
@@ -35,13 +36,15 @@ def loss(scores_fn, values_fn, query, key, probs, value):
             + jnp.sum(jnp.cos(values_fn(probs, value).astype(jnp.float32))))
 
 
+@pytest.mark.parametrize("scores_fn", [query_key_scores, key_query_scores])
 @settings(max_examples=25, deadline=None)
 @given(batch=st.integers(1, 2), heads=st.integers(1, 3), group=st.integers(1, 3),
        q_len=st.integers(1, 9), kv_len=st.integers(1, 9), dim=st.integers(1, 5),
        seed=st.integers(0, 2**16))
-def test_values_and_gradients_equal_plain_einsums(batch, heads, group, q_len, kv_len, dim, seed):
+def test_values_and_gradients_equal_plain_einsums(scores_fn, batch, heads, group, q_len, kv_len,
+                                                  dim, seed):
     query, key, probs, value = arrays(seed, batch, heads, group, q_len, kv_len, dim)
-    scores = query_key_scores(query, key)
+    scores = scores_fn(query, key)
     chex.assert_shape(scores, (batch, heads, group, q_len, kv_len))
     q64, k64, p64, v64 = (np.asarray(x, np.float64) for x in (query, key, probs, value))
     chex.assert_trees_all_close(scores, np.einsum("bkgtd,bksd->bkgts", q64, k64),
@@ -49,19 +52,20 @@ def test_values_and_gradients_equal_plain_einsums(batch, heads, group, q_len, kv
     chex.assert_trees_all_close(weighted_values(probs, value),
                                 np.einsum("bkgts,bksd->bkgtd", p64, v64), atol=1e-5, rtol=1e-5)
     argnums = (0, 1, 2, 3)
-    grads = jax.grad(lambda *a: loss(query_key_scores, weighted_values, *a), argnums)(
+    grads = jax.grad(lambda *a: loss(scores_fn, weighted_values, *a), argnums)(
         query, key, probs, value)
     expected = jax.grad(lambda *a: loss(plain_scores, plain_values, *a), argnums)(
         query, key, probs, value)
     chex.assert_trees_all_close(grads, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_bfloat16_keeps_dtypes_and_matches_autodiff():
+@pytest.mark.parametrize("scores_fn", [query_key_scores, key_query_scores])
+def test_bfloat16_keeps_dtypes_and_matches_autodiff(scores_fn):
     query, key, probs, value = arrays(0, 2, 2, 2, 8, 8, 4, jnp.bfloat16)
-    chex.assert_type(query_key_scores(query, key), jnp.float32)
+    chex.assert_type(scores_fn(query, key), jnp.float32)
     chex.assert_type(weighted_values(probs, value), jnp.bfloat16)
     argnums = (0, 1, 2, 3)
-    grads = jax.grad(lambda *a: loss(query_key_scores, weighted_values, *a), argnums)(
+    grads = jax.grad(lambda *a: loss(scores_fn, weighted_values, *a), argnums)(
         query, key, probs, value)
     expected = jax.grad(lambda *a: loss(plain_scores, plain_values, *a), argnums)(
         query, key, probs, value)
@@ -89,3 +93,24 @@ def score_sized_copies(scores_fn, values_fn, q_len=48, kv_len=40) -> list[str]:
 def test_backward_reads_scores_without_a_transposed_copy():
     assert score_sized_copies(query_key_scores, weighted_values) == []
     assert score_sized_copies(plain_scores, plain_values)  # what autodiff of einsums does
+
+
+def transposed_keys(scores_fn, batch: int, heads: int, kv_len=192, dim=64) -> list[str]:
+    """Instructions of the compiled scores of one decoding query that produce the keys
+    transposed ([.., dim, kv_len])."""
+    query, key = arrays(0, batch, heads, 1, 1, kv_len, dim)[:2]
+    hlo = jax.jit(scores_fn).lower(query, key).compile().as_text()
+    return re.findall(rf"= f32\[(?:\d+,)*{dim},{kv_len}\]\S* \w+\(.*", hlo)
+
+
+@pytest.mark.parametrize("batch,heads", [(1, 6), (8, 1), (1, 1), (8, 6)])
+def test_key_query_scores_read_the_keys_as_stored(batch, heads):
+    assert transposed_keys(key_query_scores, batch, heads) == []
+
+
+def test_query_key_scores_transpose_the_keys_with_one_batch_dimension():
+    """Why key_query_scores exists: XLA:CPU's Q·Kᵀ with one batch dimension left. Should a
+    later XLA read the keys as stored here too, key_query_scores can go."""
+    assert transposed_keys(query_key_scores, 1, 6)
+    assert transposed_keys(query_key_scores, 8, 1)
+    assert transposed_keys(query_key_scores, 8, 6) == []

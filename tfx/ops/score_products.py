@@ -13,6 +13,9 @@ contracted over their major axis (the layout a matmul reads without a copy); onl
 Arrays use grouped heads: query [B, K, G, T, D] (K key/value heads, G query heads per key
 head), key and value heads-major [B, K, S, D]. Both functions are `jax.custom_vjp`: reverse-mode
 only, as the blocked kernel's.
+
+`key_query_scores` is the decoding counterpart of `query_key_scores`: the same scores for a few
+queries over a long KV cache, computed with the cache as the left operand.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["query_key_scores", "weighted_values"]
+__all__ = ["key_query_scores", "query_key_scores", "weighted_values"]
 
 
 @jax.custom_vjp
@@ -41,6 +44,23 @@ def _scores_backward(residuals, d_scores):
 
 
 query_key_scores.defvjp(_scores_forward, _scores_backward)
+
+
+def key_query_scores(query: jax.Array, key: jax.Array) -> jax.Array:
+    """float32 [B, K, G, T, S], the scores of `query_key_scores`, computed as key [S, D] ·
+    queryᵀ [D, G·T] per head and then transposed.
+
+    For a few queries over a long cache (decoding). When the product has one batch dimension
+    left after XLA drops the size-1 ones (batch 1, or one KV head), XLA:CPU copies the key
+    operand of Q·Kᵀ transposed, the whole [S, D] cache of every layer at every step; as the left
+    operand of K·Qᵀ it is read as stored, and only the small [S, G·T] result is transposed
+    (a free reshape when G·T = 1). Plain autodiff: no custom VJP.
+    """
+    batch, heads, group, q_len, dim = query.shape
+    rows = query.reshape(batch, heads, group * q_len, dim)
+    scores = jax.lax.dot_general(key, rows, (((3,), (3,)), ((0, 1), (0, 1))),
+                                 preferred_element_type=jnp.float32)
+    return jnp.swapaxes(scores, 2, 3).reshape(batch, heads, group, q_len, key.shape[2])
 
 
 @jax.custom_vjp
