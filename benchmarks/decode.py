@@ -16,8 +16,13 @@ tanh, tied head, float32) with random weights, exported with `tfx.hf.save` and l
   weight matrix of the model once and do nothing else: the products no cached step avoids,
   as XLA compiles them. At batch 1 they are bound by reading the 55 MB of float32 weights
   once per step; "products / transformers" is how low tfx's ratio could go with attention,
-  norms, sampling and the loop free.
-The four run alternately in this process; times are medians of --repeats runs on the same
+  norms, sampling and the loop free;
+- products + cache reads: the same loop, each step also attending one query per head over a
+  full cache of 192 slots (the length tfx.generate gives this prompt's bucket, 64, plus N) in
+  every layer: the bytes a decoder with a cache of static length reads per step (at batch 8 the
+  cache is half the weights' bytes). transformers' cache grows, so its steps read only the
+  tokens so far (128 slots on average).
+The five run alternately in this process; times are medians of --repeats runs on the same
 prompts. tokens/s counts new tokens of the whole batch (batch * N / seconds). "tfx / transformers"
 is a ratio of times: below 1 means tfx is faster (issue 22's goal: <= 0.35). Compile seconds are
 what jax.monitoring reports for tracing, lowering and compiling during tfx's first call. The
@@ -48,11 +53,13 @@ from timing import markdown_table, provenance, publish
 import tfx
 import tfx.hf
 from tfx.models import DecoderConfig, MlpConfig, NormConfig, create
+from tfx.ops.attention import cached_attention
 
 CONFIG = DecoderConfig(vocab_size=8192, d_model=384, num_layers=6, num_heads=6, d_ff=4 * 384,
                        max_len=192, position="learned", mlp=MlpConfig(activation="gelu_tanh"),
                        use_bias=True, norm=NormConfig(kind="layer"))
 PROMPT_LEN = 64
+CACHE_LEN = 192  # tfx.generate's cache: the prompt's bucket (64) + 128 new tokens
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")
@@ -162,21 +169,30 @@ def tfx_runner(model, prompts: np.ndarray, new_tokens: int):
         tfx.generate(model, ids, max_new_tokens=new_tokens, temperature=0.0))
 
 
-def products_runner(model, batch: int, new_tokens: int):
+def products_runner(model, batch: int, new_tokens: int, cache_len: int = 0):
     """`new_tokens` passes over every weight matrix: x [batch, in] @ w [in, out] for each 2-D
-    parameter, in one compiled loop (x depends on the step, so XLA cannot hoist the products)."""
+    parameter, in one compiled loop (x depends on the step, so XLA cannot hoist the products).
+    With cache_len > 0, each pass also reads a full KV cache of cache_len slots in every layer,
+    as a decoding step's attention does: one query per head attends over it
+    (`tfx.ops.attention.cached_attention`)."""
     matrices = [w for w in jax.tree.leaves(nnx.state(model, nnx.Param)) if w.ndim == 2]
     widest = max(w.shape[0] for w in matrices)
+    heads, head_dim = CONFIG.num_heads, CONFIG.d_model // CONFIG.num_heads
+    rng = np.random.default_rng(0)
+    caches = [jnp.asarray(rng.standard_normal((2, batch, heads, cache_len, head_dim)),
+                          jnp.float32) for _ in range(CONFIG.num_layers if cache_len else 0)]
 
     @jax.jit
-    def run(matrices):
+    def run(matrices, caches):
         def step(i, total):
             x = jnp.full((batch, widest), i, matrices[0].dtype)
-            return total + sum(jnp.sum(x[:, :w.shape[0]] @ w) for w in matrices)
+            query = jnp.full((batch, 1, heads, head_dim), i, jnp.float32)
+            reads = sum(jnp.sum(cached_attention(query, key, value)) for key, value in caches)
+            return total + reads + sum(jnp.sum(x[:, :w.shape[0]] @ w) for w in matrices)
 
         return jax.lax.fori_loop(0, new_tokens, step, jnp.float32(0))
 
-    return lambda: jax.block_until_ready(run(matrices))
+    return lambda: jax.block_until_ready(run(matrices, caches))
 
 
 def torch_runner(hf_model, prompts: np.ndarray, new_tokens: int):
@@ -237,7 +253,9 @@ def measure_batch(args, model, hf_model, batch: int) -> dict:
     runs = {"tfx": tfx_runner(model, prompts, args.new_tokens),
             "recompute": recompute_runner(model, prompts, args.new_tokens),
             "transformers": torch_runner(hf_model, prompts, args.new_tokens),
-            "products": products_runner(model, batch, args.new_tokens)}
+            "products": products_runner(model, batch, args.new_tokens),
+            "products_reads": products_runner(model, batch, args.new_tokens,
+                                              CACHE_LEN)}
     with _quiet_jax_log(), CompileWatch() as first:
         start = time.perf_counter()
         ours = np.asarray(runs["tfx"]())[:, PROMPT_LEN:]
@@ -245,7 +263,8 @@ def measure_batch(args, model, hf_model, batch: int) -> dict:
     with _quiet_jax_log(), CompileWatch() as recompute_compile:
         recomputed = np.asarray(runs["recompute"]())[:, PROMPT_LEN:]
     theirs = runs["transformers"]().numpy()[:, PROMPT_LEN:]
-    runs["products"]()  # compiled before the timed runs, as the others are
+    for name in ("products", "products_reads"):  # compiled before the timed runs, as the rest
+        runs[name]()
     row = {"batch": batch, "new_tokens": args.new_tokens, "first_call_s": first_call,
            "compile_s": first.seconds, "compiles_on_first_call": first.compiles,
            "first_call_compiled": first.names,
@@ -267,6 +286,8 @@ def measure_batch(args, model, hf_model, batch: int) -> dict:
     row["recompute_vs_tfx"] = seconds["recompute"] / seconds["tfx"]
     row["products_vs_transformers"] = seconds["products"] / seconds["transformers"]
     row["tfx_vs_products"] = seconds["tfx"] / seconds["products"]
+    row["products_reads_vs_transformers"] = (seconds["products_reads"]
+                                             / seconds["transformers"])
     row["torch_threads"] = torch.get_num_threads()
     return row
 
@@ -277,7 +298,8 @@ def _line(row: dict) -> str:
             f"{row['recompute_tokens_per_s']:8.0f} tok/s  transformers "
             f"{row['transformers_tokens_per_s']:8.0f} tok/s  tfx/transformers time "
             f"{row['time_vs_transformers']:.2f}  weight products/transformers "
-            f"{row['products_vs_transformers']:.2f}  compile {row['compile_s']:.1f} s "
+            f"{row['products_vs_transformers']:.2f}  with cache reads "
+            f"{row['products_reads_vs_transformers']:.2f}  compile {row['compile_s']:.1f} s "
             f"({row['compiles_on_first_call']} compilations; warm call with prompt "
             f"{PROMPT_LEN - 4}: {row['compiles_on_warm_call']})\n"
             f"  greedy tokens {'match' if match['equal'] == match['total'] else 'DIFFER'}: "
@@ -319,17 +341,20 @@ def render(results: dict) -> str:
         f"{results['repeats']} alternating runs. tokens/s = batch * new tokens / seconds. "
         "tfx / transformers is a ratio of times (issue 22's goal: <= 0.35). Weight products: "
         "every weight matrix multiplied once per new token and nothing else (55 MB of weights "
-        "read per step), the part of a step that no cached decoder avoids. Compile: seconds of "
-        "tracing, lowering and XLA compilation in tfx's first call.",
+        "read per step), the part of a step that no cached decoder avoids; + cache reads: the "
+        f"same with attention over a full {CACHE_LEN}-slot cache in every layer, what a cache "
+        "of static length adds. Compile: seconds of tracing, lowering and XLA compilation in "
+        "tfx's first call.",
         "",
         markdown_table(
             ["batch", "tfx tokens/s", "recompute tokens/s", "transformers tokens/s",
              "tfx / transformers (time)", "weight products tokens/s",
-             "products / transformers", "tfx / products", "tfx compile s"],
+             "products / transformers", "tfx / products",
+             "products + cache reads / transformers", "tfx compile s"],
             [[r["batch"], r["tfx_tokens_per_s"], r["recompute_tokens_per_s"],
               r["transformers_tokens_per_s"], r["time_vs_transformers"],
               r["products_tokens_per_s"], r["products_vs_transformers"], r["tfx_vs_products"],
-              r["compile_s"]]
+              r.get("products_reads_vs_transformers", "-"), r["compile_s"]]
              for r in batches]),
         "",
     ]

@@ -221,37 +221,9 @@ def render(results: dict) -> str:
     lines = [f"Command: `{results['command']}` at revision `{results['revision']}` "
              f"({results['date']}); jax {results['jax']}, {results['cpus']} CPUs (shared: "
              f"expect noise); each layer compiled with the options tfx's training step uses "
-             "for it: XLA's defaults for MoE, no YNNPACK fusions for the dense MLP.", "",
-             f"## MoE layer forward+backward, {c['tokens']} tokens, d_model {c['d_model']}, "
-             f"expert d_ff {c['d_ff']}, SwiGLU, float32 (ms)", "",
-             f"Medians of {c['repeats']} calls after a warmup (compilation excluded), the "
-             "implementations of one row called in alternation; load average (1 min) "
-             f"{results['load_before']:.1f} before, {results['load_after']:.1f} after; "
-             "grad of sum(output) w.r.t. x, router kernel and all weights. MoE times include "
-             "the router. dense: SwiGLU MLP with d_ff·k hidden units (the same active "
-             f"parameters per token). cf: capacity factor {CAPACITY_FACTOR}, the same routing "
-             "for sorted and onehot. ragged (`jax.lax.ragged_dot`) computes every expert on "
-             f"every row on CPU: run only at E <= {c['ragged_max_experts']}, \"-\" elsewhere "
-             "(a separate measurement: about 97 s per step at E = 64, k = 2).", "",
-             markdown_table(["E", "k", "dense (d_ff·k)", "sorted dropless", "sorted cf",
-                             "onehot cf", "ragged dropless", "sorted/onehot (cf)",
-                             "sorted dropless/dense", "ragged/sorted (dropless)"],
-                            [[r["experts"], r["k"], r["dense_ms"], r["sorted_dropless_ms"],
-                              r["sorted_cf_ms"], r["onehot_cf_ms"], r["ragged_dropless_ms"],
-                              _ratio(r["sorted_cf_ms"], r["onehot_cf_ms"]),
-                              _ratio(r["sorted_dropless_ms"], r["dense_ms"]),
-                              _ratio(r["ragged_dropless_ms"], r["sorted_dropless_ms"])]
-                             for r in results["rows"]])]
-    s = results
-    lines += ["", f"Headline (E = 64, k = 2): sorted/onehot = {_fmt(s['sorted_vs_onehot'])} "
-              f"(goal <= {GOALS['sorted_vs_onehot']}), MoE (sorted, dropless)/dense = "
-              f"{_fmt(s['moe_vs_dense_active'])} (goal <= {GOALS['moe_vs_dense_active']})."]
-    if "moe_vs_dense_active_xla_default_options" in results:
-        lines[-1] += (" Measured again below (block 128): MoE/dense "
-                      f"{_fmt(results['moe_vs_dense_active_no_ynnpack_options'])} with both "
-                      "compiled without YNNPACK fusions, "
-                      f"{_fmt(results['moe_vs_dense_active_xla_default_options'])} with XLA's "
-                      "default options.")
+             "for it: XLA's defaults for MoE, no YNNPACK fusions for the dense MLP."]
+    if results.get("rows"):  # absent when run with --skip main
+        lines += _main_section(results)
     if results.get("options"):
         rows = results["options"]
         dense = {r["compiler_options"]: r["ms"] for r in rows if r["implementation"] == "dense"}
@@ -285,6 +257,41 @@ def render(results: dict) -> str:
                                    r["grouped_ms"] / (r["dense_ms"] * r["padding"])]
                                   for r in results["products"]])]
     return "\n".join(lines) + "\n"
+
+
+def _main_section(results: dict) -> list[str]:
+    """The E x k table and its headline (GOALS)."""
+    c, s = results["config"], results
+    lines = ["", f"## MoE layer forward+backward, {c['tokens']} tokens, d_model {c['d_model']}, "
+             f"expert d_ff {c['d_ff']}, SwiGLU, float32 (ms)", "",
+             f"Medians of {c['repeats']} calls after a warmup (compilation excluded), the "
+             "implementations of one row called in alternation; load average (1 min) "
+             f"{results['load_before']:.1f} before, {results['load_after']:.1f} after; "
+             "grad of sum(output) w.r.t. x, router kernel and all weights. MoE times include "
+             "the router. dense: SwiGLU MLP with d_ff·k hidden units (the same active "
+             f"parameters per token). cf: capacity factor {CAPACITY_FACTOR}, the same routing "
+             "for sorted and onehot. ragged (`jax.lax.ragged_dot`) computes every expert on "
+             f"every row on CPU: run only at E <= {c['ragged_max_experts']}, \"-\" elsewhere "
+             "(a separate measurement: about 97 s per step at E = 64, k = 2).", "",
+             markdown_table(["E", "k", "dense (d_ff·k)", "sorted dropless", "sorted cf",
+                             "onehot cf", "ragged dropless", "sorted/onehot (cf)",
+                             "sorted dropless/dense", "ragged/sorted (dropless)"],
+                            [[r["experts"], r["k"], r["dense_ms"], r["sorted_dropless_ms"],
+                              r["sorted_cf_ms"], r["onehot_cf_ms"], r["ragged_dropless_ms"],
+                              _ratio(r["sorted_cf_ms"], r["onehot_cf_ms"]),
+                              _ratio(r["sorted_dropless_ms"], r["dense_ms"]),
+                              _ratio(r["ragged_dropless_ms"], r["sorted_dropless_ms"])]
+                             for r in results["rows"]])]
+    lines += ["", f"Headline (E = 64, k = 2): sorted/onehot = {_fmt(s['sorted_vs_onehot'])} "
+              f"(goal <= {GOALS['sorted_vs_onehot']}), MoE (sorted, dropless)/dense = "
+              f"{_fmt(s['moe_vs_dense_active'])} (goal <= {GOALS['moe_vs_dense_active']})."]
+    if "moe_vs_dense_active_xla_default_options" in results:
+        lines[-1] += (" Measured again below (block 128): MoE/dense "
+                      f"{_fmt(results['moe_vs_dense_active_no_ynnpack_options'])} with both "
+                      "compiled without YNNPACK fusions, "
+                      f"{_fmt(results['moe_vs_dense_active_xla_default_options'])} with XLA's "
+                      "default options.")
+    return lines
 
 
 def _fmt(value) -> str:
