@@ -11,11 +11,11 @@ contracted over their major axis (the layout a matmul reads without a copy); onl
 [S, D] results are transposed back.
 
 Arrays use grouped heads: query [B, K, G, T, D] (K key/value heads, G query heads per key
-head), key and value heads-major [B, K, S, D]. Both functions are `jax.custom_vjp`: reverse-mode
+head), key and value heads-major [B, K, S, D]. Both products are `jax.custom_vjp`: reverse-mode
 only, as the blocked kernel's.
 
 `key_query_scores` is the decoding counterpart of `query_key_scores`: the same scores for a few
-queries over a long KV cache, computed with the cache as the left operand.
+queries over a long KV cache, computed with the cache as the left operand (plain autodiff).
 """
 
 from __future__ import annotations
