@@ -18,10 +18,10 @@ tanh, tied head, float32) with random weights, exported with `tfx.hf.save` and l
   once per step; "products / transformers" is how low tfx's ratio could go with attention,
   norms, sampling and the loop free;
 - products + cache reads: the same loop, each step also attending one query per head over a
-  full cache of 192 slots (the length tfx.generate gives this prompt's bucket, 64, plus N) in
-  every layer: the bytes a decoder with a cache of static length reads per step (at batch 8 the
-  cache is half the weights' bytes). transformers' cache grows, so its steps read only the
-  tokens so far (128 slots on average).
+  full cache in every layer, as long as tfx.generate's (this prompt's bucket, 64, plus N):
+  the bytes a decoder with a cache of static length reads per step (at batch 8 the cache is
+  half the weights' bytes). transformers' cache grows, so its steps read only the tokens so far
+  (128 slots on average at N = 128).
 The five run alternately in this process; times are medians of --repeats runs on the same
 prompts. tokens/s counts new tokens of the whole batch (batch * N / seconds). "tfx / transformers"
 is a ratio of times: below 1 means tfx is faster (issue 22's goal: <= 0.35). Compile seconds are
@@ -52,6 +52,7 @@ from timing import markdown_table, provenance, publish
 
 import tfx
 import tfx.hf
+from tfx.generation import bucket_length
 from tfx.models import DecoderConfig, MlpConfig, NormConfig, create
 from tfx.ops.attention import cached_attention
 
@@ -59,7 +60,6 @@ CONFIG = DecoderConfig(vocab_size=8192, d_model=384, num_layers=6, num_heads=6, 
                        max_len=192, position="learned", mlp=MlpConfig(activation="gelu_tanh"),
                        use_bias=True, norm=NormConfig(kind="layer"))
 PROMPT_LEN = 64
-CACHE_LEN = 192  # tfx.generate's cache: the prompt's bucket (64) + 128 new tokens
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")
@@ -169,6 +169,12 @@ def tfx_runner(model, prompts: np.ndarray, new_tokens: int):
         tfx.generate(model, ids, max_new_tokens=new_tokens, temperature=0.0))
 
 
+def cache_slots(new_tokens: int) -> int:
+    """The slots of tfx.generate's cache for this benchmark's prompt: its length bucket, then
+    the new tokens."""
+    return bucket_length(PROMPT_LEN, CONFIG.max_len - new_tokens) + new_tokens
+
+
 def products_runner(model, batch: int, new_tokens: int, cache_len: int = 0):
     """`new_tokens` passes over every weight matrix: x [batch, in] @ w [in, out] for each 2-D
     parameter, in one compiled loop (x depends on the step, so XLA cannot hoist the products).
@@ -179,8 +185,9 @@ def products_runner(model, batch: int, new_tokens: int, cache_len: int = 0):
     widest = max(w.shape[0] for w in matrices)
     heads, head_dim = CONFIG.num_heads, CONFIG.d_model // CONFIG.num_heads
     rng = np.random.default_rng(0)
-    caches = [jnp.asarray(rng.standard_normal((2, batch, heads, cache_len, head_dim)),
-                          jnp.float32) for _ in range(CONFIG.num_layers if cache_len else 0)]
+    shape = (2, batch, heads, cache_len, head_dim)  # keys and values of one layer
+    caches = [jnp.asarray(rng.standard_normal(shape), jnp.float32)
+              for _ in range(CONFIG.num_layers)] if cache_len else []
 
     @jax.jit
     def run(matrices, caches):
@@ -250,12 +257,12 @@ def measure_batch(args, model, hf_model, batch: int) -> dict:
 
     prompts = np.random.default_rng(batch).integers(0, CONFIG.vocab_size,
                                                     (batch, PROMPT_LEN))
+    cache_len = cache_slots(args.new_tokens)
     runs = {"tfx": tfx_runner(model, prompts, args.new_tokens),
             "recompute": recompute_runner(model, prompts, args.new_tokens),
             "transformers": torch_runner(hf_model, prompts, args.new_tokens),
             "products": products_runner(model, batch, args.new_tokens),
-            "products_reads": products_runner(model, batch, args.new_tokens,
-                                              CACHE_LEN)}
+            "products_reads": products_runner(model, batch, args.new_tokens, cache_len)}
     with _quiet_jax_log(), CompileWatch() as first:
         start = time.perf_counter()
         ours = np.asarray(runs["tfx"]())[:, PROMPT_LEN:]
@@ -265,7 +272,8 @@ def measure_batch(args, model, hf_model, batch: int) -> dict:
     theirs = runs["transformers"]().numpy()[:, PROMPT_LEN:]
     for name in ("products", "products_reads"):  # compiled before the timed runs, as the rest
         runs[name]()
-    row = {"batch": batch, "new_tokens": args.new_tokens, "first_call_s": first_call,
+    row = {"batch": batch, "new_tokens": args.new_tokens, "cache_len": cache_len,
+           "first_call_s": first_call,
            "compile_s": first.seconds, "compiles_on_first_call": first.compiles,
            "first_call_compiled": first.names,
            "recompute_compile_s": recompute_compile.seconds,
@@ -342,8 +350,8 @@ def render(results: dict) -> str:
         "tfx / transformers is a ratio of times (issue 22's goal: <= 0.35). Weight products: "
         "every weight matrix multiplied once per new token and nothing else (55 MB of weights "
         "read per step), the part of a step that no cached decoder avoids; + cache reads: the "
-        f"same with attention over a full {CACHE_LEN}-slot cache in every layer, what a cache "
-        "of static length adds. Compile: seconds of tracing, lowering and XLA compilation in "
+        f"same with attention over a full {first['cache_len']}-slot cache in every layer, what a "
+        "cache of static length adds. Compile: seconds of tracing, lowering and XLA compilation in "
         "tfx's first call.",
         "",
         markdown_table(
@@ -354,7 +362,7 @@ def render(results: dict) -> str:
             [[r["batch"], r["tfx_tokens_per_s"], r["recompute_tokens_per_s"],
               r["transformers_tokens_per_s"], r["time_vs_transformers"],
               r["products_tokens_per_s"], r["products_vs_transformers"], r["tfx_vs_products"],
-              r.get("products_reads_vs_transformers", "-"), r["compile_s"]]
+              r["products_reads_vs_transformers"], r["compile_s"]]
              for r in batches]),
         "",
     ]

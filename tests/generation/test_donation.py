@@ -11,7 +11,8 @@ donated argument needs 8.8 MB of arguments + 4.3 MB of temporaries, the same pea
 Nor does the body lay the cache out anew for attention: no copy of a layer's cache transposed.
 Batch 1 and a single KV head are the cases where XLA:CPU did both (the scatter of one update
 became a dynamic-update-slice that it copied per reader; Q·Kᵀ with one batch dimension read the
-keys through a transposed copy).
+keys through a transposed copy). The paged engine's step, whose cache is donated, likewise
+copies no page pool at batch 1 (`tfx.ops._scatter`).
 """
 
 import importlib
@@ -21,7 +22,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from tfx.generation._paged_step import compile_step
 from tfx.models import DecoderConfig, create
+from tfx.ops.paged import init_paged_cache
 
 generate_module = importlib.import_module("tfx.generation.generate")
 
@@ -60,37 +63,53 @@ def _cache_dims(config: DecoderConfig, batch: int = BATCH) -> tuple[int, ...]:
     return batch, config.kv_heads, PROMPT + NEW, config.d_model // config.num_heads
 
 
-def _cache_shape(config: DecoderConfig, *, stacked: bool) -> str:
-    dims = _cache_dims(config)
-    dims = (config.num_layers, *dims) if stacked else dims
+def _shape(dims: tuple[int, ...]) -> str:
+    """HLO's name of a float32 array shape, e.g. "f32[2,4,64,8]"."""
     return f"f32[{','.join(map(str, dims))}]"
 
 
 def _cache_rewrites(hlo: str, dims: tuple[int, ...]) -> list[str]:
     """Loop-body instructions that copy a layer's cache [batch, kv_heads, slots, head_dim] (as
     stored, or without its size-1 axes as XLA sees it) or produce it transposed (slots last)."""
-    kept = [d for d in dims[:2] if d > 1]
-    shapes = {(*dims[:2], *dims[2:]): "copy", (*kept, *dims[2:]): "copy",
-              (*dims[:2], *dims[:1:-1]): r"\w+", (*kept, *dims[:1:-1]): r"\w+"}
-    pattern = "|".join(rf"f32\[{','.join(map(str, shape))}\]\{{[^}}]*\}} {op}\("
+    batch, heads, slots, head_dim = dims
+    kept = [d for d in (batch, heads) if d > 1]
+    shapes = {(batch, heads, slots, head_dim): "copy", (*kept, slots, head_dim): "copy",
+              (batch, heads, head_dim, slots): r"\w+", (*kept, head_dim, slots): r"\w+"}
+    pattern = "|".join(re.escape(_shape(shape)) + rf"\{{[^}}]*\}} {op}\("
                        for shape, op in shapes.items())
     return _loop_body_lines(hlo, pattern)
 
 
-def test_decode_loop_writes_the_cache_in_place():
-    hlo = _compiled_hlo(CONFIG)
-    shape = _cache_shape(CONFIG, stacked=False)
-    assert shape in hlo and "while(" in hlo  # the shapes looked for are the program's
-    assert _loop_body_copies(hlo, shape) == []
-
-
 @pytest.mark.parametrize("batch,num_kv_heads", [(1, 4), (2, 4), (1, 1), (2, 1), (2, 2)])
-def test_decode_loop_neither_copies_nor_transposes_the_cache(batch, num_kv_heads):
+def test_decode_loop_writes_the_cache_in_place(batch, num_kv_heads):
+    """No copy of a layer's cache in the loop body, and none transposed for attention."""
     config = CONFIG.replace(attention={"num_kv_heads": num_kv_heads})
     hlo = _compiled_hlo(config, batch)
     dims = _cache_dims(config, batch)
-    assert f"f32[{','.join(map(str, dims))}]" in hlo  # the shapes looked for are the program's
+    # the shapes looked for are the program's
+    assert _shape(dims) in hlo and "while(" in hlo
     assert _cache_rewrites(hlo, dims) == []
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_paged_step_writes_the_pools_in_place(batch):
+    """The paged engine's step (its cache donated) copies no page pool, flat or paged."""
+    model = create(CONFIG, rngs=nnx.Rngs(0))
+    model.eval()
+    graphdef, state = nnx.split(model)
+    heads, head_dim, pages, page_size = CONFIG.kv_heads, CONFIG.d_model // CONFIG.num_heads, 16, 8
+    cache = init_paged_cache(num_layers=1, num_pages=pages, page_size=page_size, batch=batch,
+                             pages_per_seq=8, num_kv_heads=heads, head_dim=head_dim)
+    hlo = compile_step(graphdef).lower(
+        state, cache, jnp.zeros((batch, 1), jnp.int32), jnp.ones((batch, 1), bool),
+        jnp.zeros((batch,), jnp.float32), jnp.zeros((batch, 2), jnp.uint32),
+        jnp.zeros((batch,), jnp.int32)).compile().as_text()
+    shapes = [_shape((heads, pages, page_size, head_dim)), _shape((heads, pages * page_size,
+                                                                   head_dim))]
+    assert shapes[0] in hlo  # the shapes looked for are the program's
+    copies = [line for line in hlo.splitlines()
+              if any(re.search(re.escape(s) + r"\{[^}]*\} copy\(", line) for s in shapes)]
+    assert copies == []
 
 
 @pytest.mark.xfail(strict=True, reason="tfx.models.stack scans stacked layers with the cache "
@@ -99,5 +118,5 @@ def test_decode_loop_neither_copies_nor_transposes_the_cache(batch, num_kv_heads
 def test_decode_loop_with_stacked_layers_writes_the_cache_in_place():
     config = CONFIG.replace(compute={"scan_layers": True}, num_layers=2)
     hlo = _compiled_hlo(config)
-    assert _loop_body_copies(hlo, _cache_shape(config, stacked=True)) == []
+    assert _loop_body_copies(hlo, _shape((config.num_layers, *_cache_dims(config)))) == []
 

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx.ops import _checks
+from tfx.ops._scatter import set_dropping
 
 __all__ = [
     "CacheStep",
@@ -225,17 +226,10 @@ def write(layer: LayerKV | LatentKV, key: jax.Array, value: jax.Array,
       keys and values to attend, heads-major [batch, num_kv_heads, kv_len, head_dim] (kv_len as
       in `step`), and the updated layer cache (of the type of `layer`).
     """
-    # One phantom row past the batch (its update dropped) keeps the write a scatter of at least
-    # two updates. XLA rewrites a scatter of a single update (batch 1, one token) into a
-    # dynamic-update-slice, which XLA:CPU then fuses into each reader of the cache and so copies
-    # the cache for: up to four copies of a layer's cache per decoding step (measured in
-    # tfx.generate's compiled loop, GPT-2 width 384, batch 1).
-    rows = jnp.arange(key.shape[0] + 1)[:, None]
-    slots = jnp.concatenate([step.slots, step.slots[:1]])
+    rows = jnp.arange(key.shape[0])[:, None]
 
     def put(cached, new):  # new [batch, q_len, heads, dim] lands at [rows, :, slots]
-        new = jnp.concatenate([new, new[:1]]).astype(cached.dtype)
-        return cached.at[rows, :, slots].set(new, mode="drop")
+        return set_dropping(cached, (rows, slice(None), step.slots), new.astype(cached.dtype))
 
     news = (key, value)
     updated = type(layer)(*map(put, layer.arrays, news))

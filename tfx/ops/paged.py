@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx.ops import _checks
+from tfx.ops._scatter import set_dropping
 
 __all__ = ["PagedCache", "PagedKV", "PagedStep", "init_paged_cache", "write_pages"]
 
@@ -142,7 +143,7 @@ def write_pages(layer: PagedKV, key: jax.Array, value: jax.Array, step: PagedSte
         heads, pages, page_size, dim = pool.shape
         flat = pool.reshape(heads, pages * page_size, dim)
         new = jnp.moveaxis(new.reshape(-1, *new.shape[2:]), 0, 1).astype(pool.dtype)
-        return flat.at[:, slots].set(new, mode="drop").reshape(pool.shape)
+        return set_dropping(flat, (slice(None), slots), new, updates_axis=1).reshape(pool.shape)
 
     return PagedKV(put(layer.key, key), put(layer.value, value))
 
