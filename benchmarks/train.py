@@ -49,6 +49,7 @@ from tfx.models import PRESETS, DecoderConfig, MlpConfig, NormConfig, create
 from tfx.ops.attention import BLOCKED_MIN_SCORES
 from tfx.train.config import OptimConfig
 from tfx.train.flops import matmul_peak_flops, parameter_count, training_flops_per_token
+from tfx.train.host_memory import keep_freed_memory
 from tfx.train.objectives import causal_lm
 from tfx.train.optim import learning_rate_schedule, make_optimizer
 from tfx.train.step import init_train_state, make_train_step
@@ -263,6 +264,7 @@ def render(results: dict) -> str:
 
 
 def main() -> None:
+    keep_freed_memory()  # as the tfx command does, before JAX starts
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", type=lambda s: s.split(","), default=list(CONFIGS),
                         help=f"comma-separated, from {list(CONFIGS)}")

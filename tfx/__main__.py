@@ -2,6 +2,6 @@
 
 import sys
 
-from tfx.cli import main
+from tfx.cli import command
 
-sys.exit(main())
+sys.exit(command())

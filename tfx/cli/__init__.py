@@ -20,7 +20,17 @@ import functools
 import sys
 import warnings
 
-__all__ = ["main"]
+__all__ = ["command", "main"]
+
+
+def command() -> int:
+    """The `tfx` console script and `python -m tfx`: `main()` in a process of its own, which
+    first keeps freed host memory for reuse (`tfx.train.host_memory`; it must run before JAX
+    starts, so tests that call `main` in their own process do not)."""
+    from tfx.train.host_memory import keep_freed_memory
+
+    keep_freed_memory()
+    return main()
 
 
 def main(argv: list[str] | None = None) -> int:
