@@ -36,6 +36,7 @@ from timing import (
 from tfx.ops import dot_product_attention, sparse
 from tfx.ops.blocked_attention import BLOCK_K, BLOCK_Q
 from tfx.ops.tile_sizes import choose_pieces
+from tfx.train.host_memory import keep_freed_memory
 
 HEADS, HEAD_DIM = 8, 64
 DEFAULT_TILES = (BLOCK_Q, BLOCK_K)
@@ -283,6 +284,7 @@ def main() -> None:
     if args.memory_child:
         memory_child(args.memory_child[0], int(args.memory_child[1]))
         return
+    keep_freed_memory()  # as the tfx command does, before JAX starts (not in memory children)
     if args.quick:
         args.sizes, args.sparse_sizes, args.dtypes = [512, 1024, 2048], [4096], ["float32"]
     results = provenance("attention.py")

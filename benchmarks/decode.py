@@ -55,6 +55,7 @@ import tfx.hf
 from tfx.generation import bucket_length
 from tfx.models import DecoderConfig, MlpConfig, NormConfig, create
 from tfx.ops.attention import cached_attention
+from tfx.train.host_memory import keep_freed_memory
 
 CONFIG = DecoderConfig(vocab_size=8192, d_model=384, num_layers=6, num_heads=6, d_ff=4 * 384,
                        max_len=192, position="learned", mlp=MlpConfig(activation="gelu_tanh"),
@@ -388,6 +389,7 @@ def render(results: dict) -> str:
 
 
 def main() -> None:
+    keep_freed_memory()  # as the tfx command does, before JAX starts
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1, 8])

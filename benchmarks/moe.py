@@ -39,6 +39,7 @@ from timing import markdown_table, provenance, publish, write_json
 
 from tfx.ops.moe import ExpertWeights, grouped_matmul, moe, route, router_logits
 from tfx.ops.moe.dispatch import block_layout
+from tfx.train.host_memory import keep_freed_memory
 from tfx.train.step import compiler_options
 
 CAPACITY_FACTOR = 1.25
@@ -299,6 +300,7 @@ def _fmt(value) -> str:
 
 
 def main() -> None:
+    keep_freed_memory()  # as the tfx command does, before JAX starts
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     parser.add_argument("--tokens", type=int, default=8192)

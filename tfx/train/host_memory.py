@@ -35,7 +35,7 @@ __all__ = ["keep_freed_memory"]
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
-_INT_MAX = 2**31 - 1  # mallopt takes an int: a freed top of heap below 2 GiB stays
+_NEVER = -1  # mallopt(3): a trim threshold of -1 disables trimming
 
 
 @functools.cache
@@ -53,5 +53,5 @@ def keep_freed_memory() -> bool:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _INT_MAX))
+    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _NEVER))
     return all(libc.mallopt(parameter, value) == 1 for parameter, value in settings)
