@@ -3,18 +3,22 @@
 Why: XLA:CPU gives each call of a compiled program its temporaries in one block (610 MB for the
 4-layer `char-gpt` training step at batch 16 × 256), from glibc's `malloc`. glibc serves every
 block above its mmap threshold (at most 32 MiB) with a fresh `mmap` and returns it with
-`munmap` when the call ends, so the next call touches new pages: about 150,000 page faults and
-0.3–0.5 s of kernel time per training step on a 2-core machine, a quarter of the step. PyTorch
-does not pay this, because its tensors are mostly smaller than the threshold and glibc reuses
-them.
+`munmap` when the call ends, so every call touches new pages: about 150,000 page faults per
+step of that model, 0.3–0.5 s of kernel time (18% of the step's CPU samples under `perf` on a
+2-core machine). PyTorch does not pay this: its tensors are mostly below the threshold, and glibc
+reuses them.
 
 `keep_freed_memory()` tells glibc (through `mallopt`) to serve large blocks from its heap and
 not to return freed memory to the system, so the second call of a program reuses the first
-call's pages. The process keeps its peak heap until it exits; nothing else changes. All threads
-then share glibc's one main arena, because a thread's own arena serves large blocks with
-`mmap` whatever the settings; that is why it must run before JAX starts its threads.
+call's pages (the heap may still grow a few times over the first calls, until the blocks of
+calls that overlap fit). The process keeps its peak heap until it exits; nothing else changes.
+All threads then share glibc's one main arena, because a thread's own arena serves large blocks
+with `mmap` whatever the settings; that is why it must run before JAX starts its threads. The
+shared arena costs something too (`_int_malloc` took 3% of the samples above, against 0.5%),
+far less than the faults: on one core the step went from 1.67 to 1.43 s.
 
-The `tfx` command and the benchmarks call it first thing. Elsewhere (a script, a notebook) call
+The `tfx` command calls it first thing, and so do the training, decoding, MoE and attention
+benchmarks. Elsewhere (a script, a notebook) call
 it before the first JAX computation:
 
 >>> import tfx.train.host_memory
