@@ -24,9 +24,9 @@ __all__ = ["command", "main"]
 
 
 def command() -> int:
-    """The `tfx` console script and `python -m tfx`: `main()` in a process of its own, which
-    first keeps freed host memory for reuse (`tfx.train.host_memory`; it must run before JAX
-    starts, so tests that call `main` in their own process do not)."""
+    """The `tfx` console script and `python -m tfx`: keep freed host memory for reuse
+    (`tfx.train.host_memory`, which must run before JAX starts), then run `main()`. Tests call
+    `main` directly and leave their own process's allocator as it is."""
     from tfx.train.host_memory import keep_freed_memory
 
     keep_freed_memory()

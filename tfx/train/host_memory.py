@@ -18,8 +18,7 @@ shared arena costs something too (`_int_malloc` took 3% of the samples above, ag
 far less than the faults: on one core the step went from 1.67 to 1.43 s.
 
 The `tfx` command calls it first thing, and so do the training, decoding, MoE and attention
-benchmarks. Elsewhere (a script, a notebook) call
-it before the first JAX computation:
+benchmarks. Elsewhere (a script, a notebook) call it before the first JAX computation:
 
 >>> import tfx.train.host_memory
 >>> tfx.train.host_memory.keep_freed_memory()  # True on Linux with glibc
@@ -58,4 +57,5 @@ def keep_freed_memory() -> bool:
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _NEVER))
-    return all(libc.mallopt(parameter, value) == 1 for parameter, value in settings)
+    applied = [libc.mallopt(parameter, value) == 1 for parameter, value in settings]
+    return all(applied)
