@@ -54,9 +54,15 @@ def _loop_body_lines(hlo: str, pattern: str) -> list[str]:
             if re.search(pattern, line)]
 
 
+def _made_by(shape: str, op: str = "copy") -> str:
+    """A regex for an instruction `op` (a regex too) whose result is a `shape` buffer (e.g.
+    "f32[2,4,64,8]"), in any layout."""
+    return re.escape(shape) + rf"\{{[^}}]*\}} {op}\("
+
+
 def _loop_body_copies(hlo: str, shape: str) -> list[str]:
-    """Copies of a `shape` buffer (e.g. "f32[2,4,64,8]") inside any while loop's body."""
-    return _loop_body_lines(hlo, re.escape(shape) + r"\{[^}]*\} copy\(")
+    """Copies of a `shape` buffer inside any while loop's body."""
+    return _loop_body_lines(hlo, _made_by(shape))
 
 
 def _cache_dims(config: DecoderConfig, batch: int = BATCH) -> tuple[int, ...]:
@@ -75,9 +81,8 @@ def _cache_rewrites(hlo: str, dims: tuple[int, ...]) -> list[str]:
     kept = [d for d in (batch, heads) if d > 1]
     shapes = {(batch, heads, slots, head_dim): "copy", (*kept, slots, head_dim): "copy",
               (batch, heads, head_dim, slots): r"\w+", (*kept, head_dim, slots): r"\w+"}
-    pattern = "|".join(re.escape(_shape(shape)) + rf"\{{[^}}]*\}} {op}\("
-                       for shape, op in shapes.items())
-    return _loop_body_lines(hlo, pattern)
+    return _loop_body_lines(hlo, "|".join(_made_by(_shape(shape), op)
+                                          for shape, op in shapes.items()))
 
 
 @pytest.mark.parametrize("batch,num_kv_heads", [(1, 4), (2, 4), (1, 1), (2, 1), (2, 2)])
@@ -107,8 +112,7 @@ def test_paged_step_writes_the_pools_in_place(batch):
     shapes = [_shape((heads, pages, page_size, head_dim)), _shape((heads, pages * page_size,
                                                                    head_dim))]
     assert shapes[0] in hlo  # the shapes looked for are the program's
-    copies = [line for line in hlo.splitlines()
-              if any(re.search(re.escape(s) + r"\{[^}]*\} copy\(", line) for s in shapes)]
+    copies = re.findall("|".join(map(_made_by, shapes)), hlo)
     assert copies == []
 
 

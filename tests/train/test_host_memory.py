@@ -30,10 +30,14 @@ print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before))
 PAGES = 60 * 64 * 2**20 // 4096  # a 64 MiB temporary in each of sixty calls, in 4 KiB pages
 
 
+def _child(script: str, *args: str) -> str:
+    """What `python -c script args...` prints: the setting stays in that process."""
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                          check=True, timeout=120).stdout
+
+
 def _page_faults(mode: str) -> int:
-    done = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True,
-                          check=True, timeout=120)
-    return json.loads(done.stdout.splitlines()[-1])
+    return json.loads(_child(CHILD, mode).splitlines()[-1])
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
@@ -46,9 +50,6 @@ def test_repeated_calls_reuse_their_temporary_pages():
 
 
 def test_it_applies_once_and_says_whether_it_did():
-    # In a child too: the setting would outlive this test in the test process.
-    script = "from tfx.train.host_memory import keep_freed_memory as k; print(k(), k())"
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          check=True, timeout=120)
+    printed = _child("from tfx.train.host_memory import keep_freed_memory as k; print(k(), k())")
     applied = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-    assert done.stdout.split() == [str(applied)] * 2
+    assert printed.split() == [str(applied)] * 2
