@@ -3,8 +3,10 @@
     tfx train [EXPERIMENT] --workdir DIR [--steps N] [--checkpoint_every K] [--log_every L]
               [--data PATH] [--init_from WORKDIR] [--peft lora --peft.rank 8 ...]
               [--model.num_layers=4 --model.moe.num_experts=8 --optim.learning_rate=1e-3 ...]
-    tfx sample --workdir DIR --prompt TEXT [--max_new_tokens N] [--temperature T] ...
-    tfx eval --workdir DIR
+    tfx train sft --init-from HF_FOLDER --data chats.jsonl --workdir DIR [--peft lora ...]
+    tfx sample --workdir DIR --prompt TEXT [--max_new_tokens N] [--temperature T] [--chat] ...
+    tfx eval --workdir DIR [--data FILE | --tasks TASK ... --include-path DIR]
+    tfx export --workdir DIR --to FOLDER [--merged]
     tfx embed TEXT ... [--model FOLDER] [--output FILE.npy]
     tfx experiments
 
@@ -72,7 +74,8 @@ def _run(command) -> int:
     from tfx.cli import running
 
     handlers = {commands.Train: running.train, commands.Sample: running.sample,
-                commands.Eval: running.evaluate, commands.Experiments: running.experiments}
+                commands.Eval: running.evaluate, commands.Export: running.export,
+                commands.Experiments: running.experiments}
     return handlers[type(command)](command)
 
 

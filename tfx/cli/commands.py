@@ -18,7 +18,7 @@ from tfx.train.config import Experiment
 from tfx.train.experiments import DEFAULT_EXPERIMENT, EXPERIMENTS
 from tfx.train.overrides import switch_parts
 
-__all__ = ["Embed", "Eval", "Experiments", "Sample", "Train", "parse"]
+__all__ = ["Embed", "Eval", "Experiments", "Export", "Sample", "Train", "parse"]
 
 E = TypeVar("E")  # the experiments: subcommands whose defaults the command line adjusts
 
@@ -40,7 +40,8 @@ class Train(Generic[E]):
     data: str | None = None
     """A text file or folder instead of the embedded corpus (data.source)."""
     init_from: str | None = None
-    """Start from the newest checkpoint of this workdir (train.init_from): fine-tuning."""
+    """Start from a Hugging Face folder (its model and tokenizer) or the newest checkpoint of a
+    tfx run's workdir (train.init_from): fine-tuning."""
     no_progress: tyro.conf.FlagCreatePairsOff[bool] = False
     """No progress bar."""
     coordinator_address: str | None = None
@@ -81,14 +82,47 @@ class Sample:
     """Continuations of the prompt."""
     seed: int = 0
     """Seed of the sampling."""
+    max_len: int | None = None
+    """Longest sequence (prompt + new tokens) the KV cache holds; default: the model's max_len,
+    raised to fit the request for models without learned positions."""
+    chat: tyro.conf.FlagCreatePairsOff[bool] = False
+    """Send the prompt as a user message through the tokenizer's chat template (with the
+    assistant's turn opened) and stop at its end-of-turn token."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Eval:
-    """Validation metrics of a trained run's newest checkpoint, as JSON."""
+    """Metrics as JSON: a run's validation metrics, or with --data the loss and perplexity of a
+    held-out file, or with --tasks lm-evaluation-harness tasks."""
+
+    workdir: str
+    """A run's workdir, or (with --data or --tasks) a Hugging Face folder."""
+    data: str | None = None
+    """A held-out text file, folder or JSONL file (text or sft lines) to score."""
+    max_len: int | None = None
+    """--data: tokens per scored window (default: the run's train.seq_len, else 1024)."""
+    batch_size: int = 8
+    """--data, --tasks: rows per model call."""
+    tasks: tuple[str, ...] = ()
+    """lm-evaluation-harness task names (lm-eval must be installed: the eval extra)."""
+    include_path: str | None = None
+    """--tasks: a folder of local task YAML files."""
+    limit: int | None = None
+    """--tasks: at most this many examples per task."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Export:
+    """Write a run as a Hugging Face folder (merged weights, tokenizer, chat template) or, for a
+    LoRA run, as a peft adapter folder."""
 
     workdir: str
     """The run's workdir."""
+    to: str
+    """The folder to write (it must not exist or be empty)."""
+    merged: bool | None = None
+    """LoRA runs: True writes merged weights, False a peft adapter; default: an adapter when
+    the run started from a Hugging Face folder."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,7 +142,7 @@ class Experiments:
     """List the named experiments."""
 
 
-def parse(args: list[str]) -> Train | Sample | Eval | Embed | Experiments:
+def parse(args: list[str]) -> Train | Sample | Eval | Export | Embed | Experiments:
     """The command that `args` (without the program name) spell. tyro prints help or an error
     (naming an unrecognised option and the similar ones) and exits 0 or 2."""
     args = _peft_alias(args)
@@ -123,11 +157,12 @@ def parse(args: list[str]) -> Train | Sample | Eval | Embed | Experiments:
         Annotated[Train[_choices(experiments)], tyro.conf.subcommand("train", prefix_name=False)],
         Annotated[Sample, tyro.conf.subcommand("sample", prefix_name=False)],
         Annotated[Eval, tyro.conf.subcommand("eval", prefix_name=False)],
+        Annotated[Export, tyro.conf.subcommand("export", prefix_name=False)],
         Annotated[Embed, tyro.conf.subcommand("embed", prefix_name=False)],
         Annotated[Experiments, tyro.conf.subcommand("experiments", prefix_name=False)]]
     return tyro.cli(commands, args=args, prog="tfx", use_underscores=True,
                     description="tfx: transformer building blocks and models for JAX and Flax "
-                    "NNX: train, sample, evaluate, embed.",
+                    "NNX: train, sample, evaluate, export, embed.",
                     config=(tyro.conf.CascadeSubcommandArgs,))
 
 

@@ -1,4 +1,4 @@
-"""What `tfx train`, `tfx sample`, `tfx eval` and `tfx experiments` do, once parsed
+"""What `tfx train`, `tfx sample`, `tfx eval`, `tfx export` and `tfx experiments` do, once parsed
 (tfx.cli.commands). jax is imported here, when a command runs, not when it is parsed."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tfx.train.config import non_empty_path
 
-__all__ = ["evaluate", "experiments", "sample", "train"]
+__all__ = ["evaluate", "experiments", "export", "sample", "train"]
 
 
 def train(command) -> int:
@@ -59,7 +59,8 @@ def sample(command) -> int:
     texts = _generate(_workdir(command.workdir), prompt=command.prompt,
                       max_new_tokens=command.max_new_tokens, temperature=command.temperature,
                       top_k=command.top_k, top_p=command.top_p,
-                      num_samples=command.num_samples, seed=command.seed)
+                      num_samples=command.num_samples, seed=command.seed,
+                      max_len=command.max_len, chat=command.chat)
     for i, text in enumerate(texts):
         if len(texts) > 1:
             print(f"--- sample {i}")
@@ -68,13 +69,16 @@ def sample(command) -> int:
 
 
 def _generate(workdir: Path, *, prompt: str, max_new_tokens: int, temperature: float,
-              top_k=None, top_p=None, num_samples: int = 1, seed: int = 0) -> list[str]:
-    """`num_samples` continuations of `prompt` by the run in `workdir` (tfx.train.load_run)."""
+              top_k=None, top_p=None, num_samples: int = 1, seed: int = 0,
+              max_len: int | None = None, chat: bool = False) -> list[str]:
+    """`num_samples` continuations of `prompt` by the run in `workdir` (tfx.train.load_run);
+    with `chat`, of the prompt as a user turn of the tokenizer's chat template."""
     import jax
     import numpy as np
 
     import tfx
     from tfx.train.run import load_run, stored_experiment
+    from tfx.train.sampling import chat_prompt, with_cache_length
 
     if max_new_tokens < 1:
         raise ValueError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -83,21 +87,50 @@ def _generate(workdir: Path, *, prompt: str, max_new_tokens: int, temperature: f
         raise ValueError(f"{workdir} holds a {experiment.objective} run; sampling needs a "
                          "causal LM")
     run = load_run(workdir)  # a damaged newest checkpoint is refused
-    ids = run.tokenizer.encode(prompt) if prompt else np.asarray([ord("\n")], np.int32)
+    ids, eos = (chat_prompt(run.tokenizer, prompt) if chat else
+                (run.tokenizer.encode(prompt) if prompt else np.asarray([ord("\n")]),
+                 getattr(run.tokenizer, "eos_id", None)))
     prompts = np.repeat(np.asarray(ids, np.int32)[None], num_samples, axis=0)
-    out = tfx.generate(run.model, prompts, max_new_tokens=max_new_tokens,
+    model = with_cache_length(run.model, prompts.shape[1] + max_new_tokens, max_len)
+    out = tfx.generate(model, prompts, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_k=top_k, top_p=top_p,
-                       rng=jax.random.key(seed))
-    return [prompt + run.tokenizer.decode(np.asarray(row[prompts.shape[1]:])) for row in out]
+                       rng=jax.random.key(seed), eos_token_id=eos)
+    shown = "" if chat else prompt
+    return [shown + run.tokenizer.decode(np.asarray(row[prompts.shape[1]:])) for row in out]
 
 
 def evaluate(command) -> int:
-    """Print the validation metrics of the newest checkpoint as JSON (a Trainer: it holds the
-    validation batches and the compiled evaluation step)."""
+    """Print metrics as JSON: the run's validation metrics, or a held-out file's loss and
+    perplexity (--data), or lm-evaluation-harness results (--tasks)."""
+    if command.data is not None and command.tasks:
+        raise ValueError("--data and --tasks are two evaluations: give one of them")
+    path = _workdir(command.workdir)
+    if command.tasks:
+        from tfx.evaluation import evaluate as harness
+
+        results = harness(str(path), list(command.tasks), include_path=command.include_path,
+                          limit=command.limit, batch_size=command.batch_size)
+        print(json.dumps(results.get("results", results), indent=2, default=str))
+        return 0
+    if command.data is not None:
+        from tfx.train.heldout import heldout_metrics
+        from tfx.train.sampling import load_model
+
+        model, tokenizer, seq_len = load_model(path)
+        metrics = heldout_metrics(model, tokenizer, command.data,
+                                  seq_len=command.max_len or seq_len,
+                                  batch_size=command.batch_size)
+        print(json.dumps({"data": command.data, **metrics}, indent=2))
+        return 0
+    return _validation(path)
+
+
+def _validation(workdir: Path) -> int:
+    """The validation metrics of the newest checkpoint (a Trainer: it holds the validation
+    batches and the compiled evaluation step)."""
     from tfx.train.loop import Trainer
     from tfx.train.run import stored_experiment
 
-    workdir = _workdir(command.workdir)
     trainer = Trainer(stored_experiment(workdir), workdir, sharded=False)
     try:
         if trainer.restore(strict=True) == 0:  # a damaged newest checkpoint is refused
@@ -106,6 +139,15 @@ def evaluate(command) -> int:
     finally:
         trainer.close()
     print(json.dumps({"step": int(trainer.state.step), **metrics}, indent=2))
+    return 0
+
+
+def export(command) -> int:
+    """Write the run as a Hugging Face or peft folder; print where."""
+    from tfx.train.export import export_run
+
+    written = export_run(_workdir(command.workdir), _workdir(command.to), merged=command.merged)
+    print(f"exported {command.workdir} to {written}")
     return 0
 
 

@@ -28,7 +28,7 @@ from flax import nnx
 
 from tfx.hf import io, plan, saving, streaming
 
-__all__ = ["SUPPORTED", "load", "save"]
+__all__ = ["SUPPORTED", "folder_config", "is_checkpoint_folder", "load", "save"]
 
 
 def _families() -> dict:
@@ -94,10 +94,7 @@ def load(path: str | pathlib.Path, *, dtype: str | None = None, mesh=None, stric
         raise ValueError(f"dtype must be one of {plan.FLOAT_DTYPES} or None, got {dtype!r}")
     mesh = streaming.resolve_mesh(mesh)
     folder = pathlib.Path(path)
-    hf_config = io.read_config(folder)
-    architecture = _architecture(hf_config, folder)
-    family = _families()[architecture]
-    config = family.config_from_hf(hf_config, architecture)
+    family, config = _family_and_config(folder)
     if dtype is not None:
         overrides["compute"] = {**overrides.get("compute", {}), "dtype": dtype,
                                 "param_dtype": dtype}
@@ -110,6 +107,37 @@ def load(path: str | pathlib.Path, *, dtype: str | None = None, mesh=None, stric
                                  optional=family.OPTIONAL_PARAMS, mesh=mesh, source=str(folder))
     model.eval()
     return model
+
+
+def folder_config(path: str | pathlib.Path):
+    """The tfx model config of a transformers save_pretrained folder (its config.json), as
+    `load` builds the model from it, without reading any weights.
+
+    Raises:
+      ValueError: as `load` does for config.json (unreadable, unsupported architecture,
+        quantized, settings tfx cannot express).
+    """
+    return _family_and_config(pathlib.Path(path))[1]
+
+
+def is_checkpoint_folder(path: str | pathlib.Path) -> bool:
+    """Whether `path` is a folder holding a config.json that names its "architectures", the
+    mark of a transformers save_pretrained folder (a tfx run's workdir holds none)."""
+    config = pathlib.Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return "architectures" in io.read_json(config, dict, "")
+    except ValueError:
+        return False
+
+
+def _family_and_config(folder: pathlib.Path):
+    """(family module, tfx config) of the folder's config.json."""
+    hf_config = io.read_config(folder)
+    architecture = _architecture(hf_config, folder)
+    family = _families()[architecture]
+    return family, family.config_from_hf(hf_config, architecture)
 
 
 def save(model: nnx.Module, path: str | pathlib.Path, *, architecture: str,

@@ -14,7 +14,8 @@ from tfx.train.finetuning import METHODS, FullTuning, PeftConfig
 from tfx.train.migration import CONFIG_VERSION, migrate
 from tfx.train.objectives import get_objective
 
-__all__ = ["DataConfig", "Experiment", "MeshConfig", "OptimConfig", "PeftConfig", "TrainConfig",
+__all__ = ["DataConfig", "Experiment", "MeshConfig", "OptimConfig", "PeftConfig",
+           "PreferenceConfig", "TrainConfig",
            "experiment_from_dict", "non_empty_path", "run_identity", "stored_identity"]
 
 # The model sub-configs switch on and off by name (tfx.train.overrides.switch_parts), never as
@@ -112,7 +113,8 @@ class TrainConfig:
     keep_checkpoints: int = 3
     """Newest checkpoints kept."""
     init_from: str | None = None
-    """A workdir whose newest checkpoint gives the starting weights (fine-tuning)."""
+    """The starting weights (fine-tuning): a tfx run's workdir (its newest checkpoint) or a
+    Hugging Face folder, which also gives the model and the tokenizer."""
     nonfinite: Literal["stop", "skip"] = "stop"
     """What a step with a non-finite loss or gradient does: stop the run, or skip the step."""
     max_consecutive_skips: int = 10
@@ -158,12 +160,16 @@ class DataConfig:
     max_len: int = 16
     """Longest task input."""
     packing: bool = False
-    """Pack whole documents (files, lines of a single file, or task examples) into rows, kept
-    apart by segment ids, instead of cutting windows across them."""
+    """Pack whole documents (files, lines of a single file, task or sft examples) into rows,
+    kept apart by segment ids, instead of cutting windows across them."""
+    skip_bad_lines: bool = False
+    """sft, dpo: skip (and count) JSONL lines that are malformed or longer than a row,
+    instead of stopping at the first with its file and line number."""
 
     def __post_init__(self):
-        if not isinstance(self.packing, bool):
-            raise TypeError(f"data.packing must be a bool, got {self.packing!r}")
+        for name in ("packing", "skip_bad_lines"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"data.{name} must be a bool, got {getattr(self, name)!r}")
         non_empty_path("data.source", self.source)
         non_empty_path("data.tokenizer", self.tokenizer)
         if not 0.0 < self.val_fraction < 1.0:
@@ -171,6 +177,27 @@ class DataConfig:
         _at_least("min_len", self.min_len, 1)
         if self.max_len < self.min_len:
             raise ValueError(f"max_len ({self.max_len}) must be >= min_len ({self.min_len})")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PreferenceConfig:
+    """Preference tuning (objective dpo) on (prompt, chosen, rejected) triples: DPO's sigmoid
+    loss (Rafailov et al. 2023), IPO (Azar et al. 2023) or the reference-free SimPO (Meng et
+    al. 2024). With LoRA the reference is the model with its adapter switched off."""
+
+    beta: float = 0.1
+    """How far the policy may move from the reference (DPO's β; SimPO's reward scale)."""
+    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    """The preference loss."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin (gamma)."""
+
+    def __post_init__(self):
+        _positive("preference.beta", self.beta)
+        if self.loss not in ("sigmoid", "ipo", "simpo"):
+            raise ValueError(f"preference.loss must be 'sigmoid', 'ipo' or 'simpo', got "
+                             f"{self.loss!r}")
+        _at_least("preference.simpo_gamma", self.simpo_gamma, 0.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -202,8 +229,9 @@ class Experiment:
     DecoderConfig, mlm -> EncoderConfig, seq2seq -> EncoderDecoderConfig."""
 
     name: str
-    objective: Literal["causal_lm", "mlm", "seq2seq"]
-    """What the run trains for (tfx.train.objectives.OBJECTIVES): causal_lm, mlm or seq2seq."""
+    objective: Literal["causal_lm", "mlm", "seq2seq", "sft", "dpo"]
+    """What the run trains for (tfx.train.objectives.OBJECTIVES): causal_lm, mlm, seq2seq, sft
+    (instructions or chats, loss on the answers) or dpo (preference pairs)."""
     model: ModelConfig
     """The model (its family follows the objective)."""
     train: TrainConfig = TrainConfig()
@@ -220,6 +248,8 @@ class Experiment:
     """seq2seq: label smoothing of the cross-entropy."""
     mlm_probability: float = 0.15
     """mlm: share of the real tokens chosen for prediction."""
+    preference: PreferenceConfig = PreferenceConfig()
+    """dpo: the preference loss and its settings."""
 
     def __post_init__(self):
         get_objective(self.objective).check(self)  # its model family, data it needs
@@ -300,7 +330,8 @@ def _types() -> dict[str, type]:
     from tfx.models.config import EncoderConfig, EncoderDecoderConfig
     from tfx.ops.positional import RopeScaling
 
-    known = (Experiment, TrainConfig, OptimConfig, DataConfig, MeshConfig, *METHODS.values(),
+    known = (Experiment, TrainConfig, OptimConfig, DataConfig, MeshConfig, PreferenceConfig,
+             *METHODS.values(),
              DecoderConfig, EncoderConfig, EncoderDecoderConfig, *SUBCONFIGS.values(),
              *RopeScaling.__subclasses__())
     return {cls.__name__: cls for cls in known}

@@ -144,15 +144,23 @@ class HFTokenizer:
 
 
 def load_tokenizer(spec: str | os.PathLike, *, specials: Sequence[str] = ()) -> Tokenizer:
-    """"byte" -> `ByteTokenizer(specials)`; anything else is a path for `HFTokenizer`, which must
-    already define every name in `specials` (ValueError otherwise)."""
+    """"byte" -> `ByteTokenizer(specials)`; a transformers tokenizer folder (it holds
+    tokenizer_config.json) -> `tfx.train.chat.ChatTokenizer`; anything else is a path for
+    `HFTokenizer`. The tokenizer must already define every name in `specials` (ValueError
+    otherwise)."""
     if spec == "byte":
         return ByteTokenizer(tuple(specials))
     if not isinstance(spec, str | os.PathLike):
         raise TypeError(f"tokenizer must be 'byte' or a path, got {spec!r}")
     if isinstance(spec, str) and not spec.strip():  # pathlib would read "" as "."
         raise ValueError(f"tokenizer must be 'byte' or a path, got {spec!r}")
-    tokenizer = HFTokenizer(spec)
+    if (pathlib.Path(spec) / "tokenizer_config.json").is_file():
+        # A transformers tokenizer folder: its special tokens and chat template come along.
+        from tfx.train.chat import ChatTokenizer
+
+        tokenizer = ChatTokenizer(spec)
+    else:
+        tokenizer = HFTokenizer(spec)
     for name in specials:
         tokenizer.token_id(name)
     return tokenizer
@@ -365,7 +373,13 @@ def corpus_texts(data: str | os.PathLike | None) -> list[Text]:
 
 def load_corpus(data: str | os.PathLike | None, tokenizer: Tokenizer, *,
                 val_fraction: float = 0.05) -> tuple[TokenStream, TokenStream]:
-    """(train, val) token streams of `corpus_texts(data)`."""
+    """(train, val) token streams of `corpus_texts(data)`; or, when `data` is a folder of token
+    shards (`tfx.train.shards`: it holds their manifest), its memory-mapped `ShardStream`s,
+    which have the same interface and were split when tokenized (`val_fraction` unused)."""
+    from tfx.train import shards  # here, not at the top: shards imports this module
+
+    if shards.is_shard_folder(data):
+        return shards.load_shard_corpus(data, tokenizer, val_fraction=val_fraction)
     train, val = split_texts(corpus_texts(data), val_fraction)
     return TokenStream.from_texts(train, tokenizer), TokenStream.from_texts(val, tokenizer)
 

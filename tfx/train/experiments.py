@@ -10,6 +10,11 @@ overrides change fields (`--model.num_layers=4`).
 - seq2seq_addition: the same encoder–decoder learning to add numbers of 2 to 8 digits.
 - moe_gpt: gpt_char with a mixture of 8 experts (top-2, dropless) in every layer, the same
   active parameters per token, and the load-balancing and router z losses in the loss.
+- sft: supervised fine-tuning of a Hugging Face model (`--init-from FOLDER`, which gives the
+  model and its tokenizer) on a JSONL file of prompt/completion pairs or chats, the loss on the
+  answers only.
+- dpo: preference tuning (DPO, IPO or SimPO: experiment.preference) of such a model on a JSONL
+  file of prompt/chosen/rejected triples.
 - posenc_<kind>: gpt_char at context 128 with each positional encoding, for comparisons on equal
   footing (learned, sinusoidal, rope, t5, xl, alibi, none); sinusoidal positions with token
   embeddings scaled by sqrt(d_model), as Vaswani et al. do.
@@ -79,6 +84,20 @@ _SEQ2SEQ_ADDITION = dataclasses.replace(
 _MOE_GPT = dataclasses.replace(_GPT_CHAR, name="moe_gpt", model=PRESETS["char-moe"])
 
 
+# Fine-tuning a Hugging Face model (--init-from FOLDER gives the model and tokenizer; the
+# llama-tiny shape is only the model trained from scratch without one). The learning rates are
+# LoRA's usual ones; a full fine-tune wants about a tenth.
+_SFT = Experiment(
+    name="sft", objective="sft", model=PRESETS["llama-tiny"],
+    train=TrainConfig(steps=200, batch_size=8, seq_len=256, eval_every=50, eval_batches=4,
+                      checkpoint_every=50, log_every=5),
+    optim=OptimConfig(learning_rate=2e-4, warmup_steps=10, weight_decay=0.0))
+
+_DPO = dataclasses.replace(
+    _SFT, name="dpo", objective="dpo",
+    optim=dataclasses.replace(_SFT.optim, learning_rate=5e-5))
+
+
 def _posenc(position: str) -> Experiment:
     # Sinusoidal positions come with embeddings scaled by sqrt(d_model), as in Vaswani et al.
     model = PRESETS["char-gpt"].replace(position=position, max_len=1024,
@@ -90,7 +109,7 @@ def _posenc(position: str) -> Experiment:
 
 EXPERIMENTS: dict[str, Experiment] = {
     e.name: e for e in (_GPT_CHAR, _MOE_GPT, _BERT_MLM, _SEQ2SEQ_REVERSE, _SEQ2SEQ_ADDITION,
-                        *(_posenc(p) for p in POSITIONS))}
+                        _SFT, _DPO, *(_posenc(p) for p in POSITIONS))}
 
 
 def get_experiment(name: str | None = None) -> Experiment:

@@ -47,6 +47,7 @@ from tfx.train.lock import WorkdirLock
 from tfx.train.metrics import MetricsWriter, plot_losses, read_metrics
 from tfx.train.objectives import get_objective
 from tfx.train.optim import make_optimizer
+from tfx.train.pretrained import adopt_base
 from tfx.train.run import initial_model, stored_experiment
 from tfx.train.step import (
     finish_eval,
@@ -102,8 +103,12 @@ class Trainer:
         self.experiment = experiment
         self.workdir = Path(workdir)
         self.objective = get_objective(experiment.objective)
-        # Reads the data first: a bad path fails before any work.
+        # Reads the data first: a bad path fails before any work. Then the model and its
+        # steps: a base of another model or a LoRA target that matches nothing is refused
+        # before the workdir is touched (no config.json left behind to block the corrected
+        # command).
         self.feed = self.objective.batches(experiment)
+        self._build(sharded)
         self._lock = WorkdirLock(self.workdir)
         if lock and jax.process_index() == 0:
             self._lock.acquire()
@@ -120,11 +125,6 @@ class Trainer:
                              ) from None
         except BaseException:
             self._lock.release()
-            raise
-        try:
-            self._build(sharded)
-        except BaseException:
-            self.close()
             raise
 
     def _build(self, sharded: bool) -> None:
@@ -200,6 +200,8 @@ class Trainer:
 
 def train(experiment: Experiment, workdir: str | Path, *, progress: bool = True) -> TrainResult:
     """Train (or resume training) `experiment` in `workdir`; see the module docstring.
+    A `train.init_from` that is a Hugging Face folder gives the model and tokenizer
+    (`tfx.train.pretrained.adopt_base`).
 
     Raises:
       ValueError: a bad config or data path, a workdir that holds another config's run, or
@@ -207,7 +209,7 @@ def train(experiment: Experiment, workdir: str | Path, *, progress: bool = True)
       OSError: naming the workdir or file that cannot be written (read-only, full disk).
       DivergenceError: non-finite steps (see train.nonfinite); that state is not saved.
     """
-    trainer = Trainer(experiment, workdir, lock=True)
+    trainer = Trainer(adopt_base(experiment), workdir, lock=True)
     try:
         return _run(trainer, progress=progress)
     finally:

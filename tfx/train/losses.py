@@ -1,5 +1,6 @@
-"""The losses of the training objectives (tfx.train.objectives): causal LM, masked LM (BERT) and
-sequence-to-sequence with teacher forcing. Each is `(model, batch, rng) -> (loss summed over
+"""The losses of the training objectives (tfx.train.objectives): causal LM, supervised
+fine-tuning (causal LM on the answers only), masked LM (BERT) and sequence-to-sequence with
+teacher forcing. Each is `(model, batch, rng) -> (loss summed over
 its targets, number of targets, metric sums)`, so micro-batches of gradient accumulation add up
 exactly to the full batch's mean."""
 
@@ -11,7 +12,7 @@ import optax
 
 from tfx.train.masking import mask_tokens
 
-__all__ = ["causal_lm", "masked_lm", "sequence_to_sequence"]
+__all__ = ["causal_lm", "masked_lm", "sequence_to_sequence", "supervised"]
 
 
 def causal_lm(model, batch: dict, rng: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
@@ -21,6 +22,20 @@ def causal_lm(model, batch: dict, rng: jax.Array) -> tuple[jax.Array, jax.Array,
     tokens = batch["tokens"]
     logits = model(tokens[:, :-1])
     return _cross_entropy(logits, tokens[:, 1:], jnp.ones(tokens[:, 1:].shape, bool))
+
+
+def supervised(model, batch: dict, rng: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
+    """Next-token prediction counted only on the answers (SFT's completion-only loss).
+
+    batch: "tokens" int [batch, seq + 1] (prompt, answer, then padding on the right: causal
+    attention keeps padding out of every real position), "loss_mask" bool [batch, seq + 1],
+    True on the tokens to predict (completion or assistant tokens); the target
+    tokens[:, t + 1] counts where loss_mask[:, t + 1].
+    """
+    del rng
+    tokens = batch["tokens"]
+    logits = model(tokens[:, :-1])
+    return _cross_entropy(logits, tokens[:, 1:], batch["loss_mask"][:, 1:])
 
 
 def masked_lm(model, batch: dict, rng: jax.Array, *, mlm_probability: float = 0.15):

@@ -1,7 +1,7 @@
 """Training objectives as objects: what a run trains for, with its model family, tokenizer,
 batches and loss in one place.
 
-    objective = get_objective(experiment.objective)   # "causal_lm", "mlm", "seq2seq"
+    objective = get_objective(experiment.objective)   # causal_lm, mlm, seq2seq, sft, dpo
     objective.model_config      # DecoderConfig, EncoderConfig, EncoderDecoderConfig
     objective.tokenizer(experiment), objective.batches(experiment), objective.loss(experiment)
     objective.can_sample        # its model continues text (`tfx sample`, `tfx.generate`)
@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from tfx.train.data import Tokenizer
     from tfx.train.feed import TaskFeed, TextFeed
 
-__all__ = ["OBJECTIVES", "CausalLM", "MaskedLM", "Objective", "SequenceToSequence",
-           "get_objective"]
+__all__ = ["OBJECTIVES", "CausalLM", "MaskedLM", "Objective", "PreferenceTuning",
+           "SequenceToSequence", "SupervisedFineTuning", "get_objective"]
 
 # (model, batch, rng) -> (loss summed over the targets, number of targets, metric sums)
 Loss = Callable
@@ -165,8 +165,62 @@ class SequenceToSequence(Objective):
         return TaskFeed
 
 
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in (CausalLM(), MaskedLM(),
-                                                         SequenceToSequence())}
+@dataclasses.dataclass(frozen=True)
+class SupervisedFineTuning(Objective):
+    """Instruction / chat fine-tuning (SFT) on a JSONL file (tfx.train.instructions): the
+    loss counts only completion or assistant tokens; the prompt conditions them."""
+
+    name: ClassVar[str] = "sft"
+    model_config: ClassVar[type] = DecoderConfig
+    can_sample: ClassVar[bool] = True
+
+    def _loss(self) -> Loss:
+        from tfx.train.losses import supervised
+
+        return supervised
+
+    def _feed(self) -> type[TextFeed | TaskFeed]:
+        from tfx.train.sft_feed import SftFeed
+
+        return SftFeed
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceTuning(Objective):
+    """Preference tuning on (prompt, chosen, rejected) triples (experiment.preference: DPO,
+    IPO or SimPO)."""
+
+    name: ClassVar[str] = "dpo"
+    model_config: ClassVar[type] = DecoderConfig
+    can_sample: ClassVar[bool] = True
+
+    def check(self, experiment: Experiment) -> None:
+        super().check(experiment)
+        if experiment.data.packing:
+            raise ValueError("objective 'dpo' takes no data.packing: each pair is its own row")
+
+    def _loss(self) -> Loss:
+        from tfx.train.preference import dpo_loss
+
+        return dpo_loss
+
+    def _loss_settings(self, experiment: Experiment) -> dict:
+        p = experiment.preference
+        return {"beta": p.beta, "loss_type": p.loss, "simpo_gamma": p.simpo_gamma}
+
+    def _chosen_feed(self, experiment: Experiment) -> type:
+        from tfx.train.preference import PreferenceFeed
+
+        return PreferenceFeed
+
+    def _feed(self) -> type:
+        from tfx.train.preference import PreferenceFeed
+
+        return PreferenceFeed
+
+
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
+    CausalLM(), MaskedLM(), SequenceToSequence(), SupervisedFineTuning(), PreferenceTuning())}
 
 
 def get_objective(name: str) -> Objective:

@@ -20,6 +20,7 @@ import numpy as np
 from tfx.train.data import Tokenizer, corpus_texts, split_texts
 from tfx.train.feed import _VALIDATION_SEED_OFFSET, MaskedFeed, TaskFeed, TextFeed
 from tfx.train.packing import Packed, lay_out, pack
+from tfx.train.sft_feed import PackedSftFeed, SftFeed
 
 if TYPE_CHECKING:
     from tfx.train.config import Experiment
@@ -174,4 +175,5 @@ def _next_fit(source_lengths: list[int], target_lengths: list[int], row_len: int
     return rows
 
 
-PACKED_FEEDS = {TextFeed: PackedTextFeed, MaskedFeed: PackedMaskedFeed, TaskFeed: PackedTaskFeed}
+PACKED_FEEDS = {TextFeed: PackedTextFeed, MaskedFeed: PackedMaskedFeed, TaskFeed: PackedTaskFeed,
+                SftFeed: PackedSftFeed}

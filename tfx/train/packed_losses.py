@@ -11,11 +11,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tfx.train.losses import _cross_entropy, causal_lm, masked_lm, sequence_to_sequence
+from tfx.train.losses import (
+    _cross_entropy,
+    causal_lm,
+    masked_lm,
+    sequence_to_sequence,
+    supervised,
+)
 from tfx.train.masking import mask_tokens
 
 __all__ = ["PACKED_LOSSES", "packed_causal_lm", "packed_masked_lm",
-           "packed_sequence_to_sequence"]
+           "packed_sequence_to_sequence", "packed_supervised"]
 
 
 def packed_causal_lm(model, batch: dict, rng: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
@@ -30,6 +36,18 @@ def packed_causal_lm(model, batch: dict, rng: jax.Array) -> tuple[jax.Array, jax
     logits = model(tokens[:, :-1], position_ids=batch["positions"][:, :-1],
                    segment_ids=segments[:, :-1])
     weights = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
+    return _cross_entropy(logits, tokens[:, 1:], weights)
+
+
+def packed_supervised(model, batch: dict, rng: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
+    """`supervised` on packed examples: batch "tokens", "loss_mask", "segment_ids",
+    "positions" [batch, seq + 1]; a target counts where its loss_mask is True and it lies in
+    its input's segment (an example's first token is never predicted from the one before)."""
+    del rng
+    tokens, segments = batch["tokens"], batch["segment_ids"]
+    logits = model(tokens[:, :-1], position_ids=batch["positions"][:, :-1],
+                   segment_ids=segments[:, :-1])
+    weights = (segments[:, 1:] == segments[:, :-1]) & batch["loss_mask"][:, 1:]
     return _cross_entropy(logits, tokens[:, 1:], weights)
 
 
@@ -85,4 +103,5 @@ def _exact_examples(wrong: jax.Array, segments: jax.Array) -> dict[str, jax.Arra
 
 
 PACKED_LOSSES = {causal_lm: packed_causal_lm, masked_lm: packed_masked_lm,
-                 sequence_to_sequence: packed_sequence_to_sequence}
+                 sequence_to_sequence: packed_sequence_to_sequence,
+                 supervised: packed_supervised}

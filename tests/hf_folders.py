@@ -1,0 +1,93 @@
+"""Tiny Hugging Face folders as a new user would have them: a causal LM written by transformers'
+`save_pretrained` beside its tokenizer (`tokenizer.json`, `tokenizer_config.json` with special
+tokens, the chat template) written by `PreTrainedTokenizerFast.save_pretrained`. Shared by the
+fine-tuning, evaluation and export tests; the caller has imported torch and transformers
+(`pytest.importorskip`).
+
+    folder = chat_model_folder(tmp_path / "llama", "LlamaForCausalLM")
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+# A ChatML template (Qwen 2.5's shape: a default system turn, <|im_start|> role lines, an
+# optional generation prompt) and a LLaMA-3-like one that starts with the BOS token.
+CHATML = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message['role'] == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+LLAMA3 = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{- raise_exception('unknown role ' + message['role']) }}{%- endif %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
+    "message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+SPECIALS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>")
+CORPUS = ["the quick brown fox jumps over the lazy dog", "What is two plus two? It is four.",
+          "You are a helpful assistant.", "system user assistant", "Hello! How can I help?",
+          "def add(a, b):\n    return a + b\n"]
+# Small, but with every piece a LLaMA-family model has: GQA, RoPE, SwiGLU, untied head.
+MODEL_FIELDS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                    tie_word_embeddings=False)
+
+
+def tokenizer_file(folder: pathlib.Path) -> pathlib.Path:
+    """A byte-level BPE `tokenizers` file (vocabulary about 400, SPECIALS first) in `folder`."""
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=list(SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CORPUS * 20, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+def chat_tokenizer(transformers, folder: pathlib.Path, template: str = CHATML):
+    """transformers' fast tokenizer over `tokenizer_file`, with BOS <s>, EOS <|im_end|> (ChatML)
+    or <|eot_id|> (LLAMA3), PAD <pad> and the chat template; saved into `folder`."""
+    eos = "<|eot_id|>" if template == LLAMA3 else "<|im_end|>"
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_file(folder)), bos_token="<s>", eos_token=eos,
+        pad_token="<pad>", chat_template=template)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def chat_model_folder(torch, transformers, folder: pathlib.Path,
+                      architecture: str = "LlamaForCausalLM", *, template: str = CHATML,
+                      seed: int = 0) -> pathlib.Path:
+    """`folder` holding a tiny random `architecture` (LlamaForCausalLM, Qwen2ForCausalLM, ...)
+    and its chat tokenizer, as save_pretrained writes them; vocab, BOS, EOS and PAD ids from
+    the tokenizer."""
+    tokenizer = chat_tokenizer(transformers, folder, template)
+    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    config = config_class(**MODEL_FIELDS, vocab_size=len(tokenizer),
+                          bos_token_id=tokenizer.bos_token_id,
+                          eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config)
+    with torch.no_grad():  # norms are ones at init: perturb every weight so that all matter
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(folder)
+    return folder

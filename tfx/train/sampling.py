@@ -1,0 +1,70 @@
+"""What `tfx sample` and `tfx eval` need around a trained model: the model and tokenizer of a run
+or a Hugging Face folder, a KV cache long enough for the request, and chat prompts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+
+from tfx.train.data import Tokenizer
+
+__all__ = ["chat_prompt", "load_model", "with_cache_length"]
+
+# The window of a Hugging Face model scored without a run's train.seq_len.
+DEFAULT_SEQ_LEN = 1024
+
+
+def load_model(path: str | Path) -> tuple[nnx.Module, Tokenizer, int]:
+    """(model in eval mode, tokenizer, sequence length) of a tfx run's workdir (its
+    train.seq_len) or of a Hugging Face folder (its tokenizer folder; min(max_len, 1024))."""
+    from tfx.train.pretrained import is_hf_base
+
+    if is_hf_base(path):
+        from tfx import hf
+        from tfx.train.data import load_tokenizer
+
+        model = hf.load(path)
+        return model, load_tokenizer(str(path)), min(model.config.max_len, DEFAULT_SEQ_LEN)
+    from tfx.train.run import load_run
+
+    run = load_run(path)
+    return run.model, run.tokenizer, run.experiment.train.seq_len
+
+
+def with_cache_length(model: nnx.Module, needed: int, max_len: int | None = None) -> nnx.Module:
+    """`model` with config.max_len (the length of the KV cache `tfx.generate` makes) set to
+    `max_len`, or by default raised to `needed` tokens (prompt + new tokens) when that is more.
+    Only a learned position table fixes the length: it is never exceeded (ValueError).
+
+    The parameters are shared, not copied (PEFT modules attached to the model stay)."""
+    config = model.config
+    length = max(config.max_len, needed) if max_len is None else max_len
+    if length < needed:
+        raise ValueError(f"--max-len ({length}) is shorter than the prompt plus "
+                         f"--max-new-tokens ({needed} tokens)")
+    if length == config.max_len:
+        return model
+    if config.position == "learned" and length > config.max_len:
+        raise ValueError(f"{needed} tokens (prompt + --max-new-tokens) exceed the model's "
+                         f"learned position table (max_len = {config.max_len})")
+    longer = config.replace(max_len=length)
+    copy = nnx.merge(*nnx.split(model))  # a new module tree over the same arrays
+    for _, node in nnx.iter_graph(copy):
+        if isinstance(node, nnx.Module) and getattr(node, "config", None) == config:
+            node.config = longer  # max_len sizes no parameter without a learned table
+    return copy
+
+
+def chat_prompt(tokenizer: Tokenizer, text: str) -> tuple[np.ndarray, int | None]:
+    """(ids int32 [n], end-of-turn id): `text` as one user message through the tokenizer's chat
+    template, the assistant's turn opened (`tfx.train.chat.ChatTokenizer`)."""
+    from tfx.train.chat import ChatTokenizer
+
+    if not isinstance(tokenizer, ChatTokenizer):
+        raise ValueError("--chat needs a run whose tokenizer is a transformers tokenizer "
+                         "folder with a chat template (one started from a Hugging Face folder)")
+    ids, _ = tokenizer.encode_chat([{"role": "user", "content": text}],
+                                   add_generation_prompt=True)
+    return np.asarray(ids, np.int32), tokenizer.eos_id
