@@ -42,7 +42,7 @@ CORPUS = ["the quick brown fox jumps over the lazy dog", "What is two plus two? 
           "You are a helpful assistant.", "system user assistant", "Hello! How can I help?",
           "def add(a, b):\n    return a + b\n"]
 # Small, but with every piece a LLaMA-family model has: GQA, RoPE, SwiGLU, untied head.
-MODEL_FIELDS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+MODEL_FIELDS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                     tie_word_embeddings=False)
 

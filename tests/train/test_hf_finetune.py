@@ -191,3 +191,42 @@ def test_python_api_in_a_few_lines(folder, chats, tmp_path):
     assert result.step == 2 and math.isfinite(result.validation["loss"])
     model = load_run(tmp_path / "py").model
     assert isinstance(nnx.state(model), nnx.State)
+
+
+def test_qlora_and_lora_dropout_from_the_command_line(folder, chats, tmp_path):
+    pytest.importorskip("qwix")
+    from tfx.quant import QuantizedLinear
+
+    workdir = tmp_path / "qlora"
+    assert main(_train_args(workdir, folder, chats, "--steps", "2", "--peft", "lora",
+                            "--peft.quantize", "nf4", "--peft.dropout", "0.1")) == 0
+    run = load_run(workdir)
+    assert run.experiment.peft.quantize == "nf4" and run.experiment.peft.dropout == 0.1
+    quantized = [m for _, m in nnx.iter_graph(run.model) if isinstance(m, QuantizedLinear)]
+    assert quantized  # the frozen base is 4-bit; its LoRA factors trained in float
+    assert math.isfinite(json.loads((workdir / "metrics.jsonl").read_text().splitlines()[-1])
+                         .get("loss", 0.0))
+
+
+def _preferences(path):
+    lines = [{"prompt": [{"role": "user", "content": q}],
+              "chosen": [{"role": "assistant", "content": a}],
+              "rejected": [{"role": "assistant", "content": "the lazy dog"}]}
+             for q, a in QUESTIONS * 3]
+    lines += [{"prompt": q + " ", "chosen": a, "rejected": "def"} for q, a in QUESTIONS]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+@pytest.mark.parametrize("peft", [["--peft", "lora"], []], ids=["lora", "full"])
+def test_dpo_from_the_command_line_logs_rewards(folder, tmp_path, peft):
+    workdir = tmp_path / "dpo"
+    args = ["train", "dpo", "--workdir", str(workdir), "--init-from", str(folder), "--data",
+            str(_preferences(tmp_path / "prefs.jsonl")), "--no-progress", *SHORT, *peft]
+    assert main(args) == 0
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    first = records[0]
+    # Policy = reference at step 1 (LoRA's b is zero; the full run's reference is its start).
+    for name in ("rewards_chosen", "rewards_margin", "rewards_accuracy", "logps_chosen"):
+        assert name in first and math.isfinite(first[name])
+    assert any(r["split"] == "val" and "rewards_margin" in r for r in records)

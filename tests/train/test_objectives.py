@@ -21,6 +21,9 @@ from tfx.train.objectives import OBJECTIVES, get_objective
 KINDS = {"causal_lm": ("gpt_char", DecoderConfig, TextFeed, True),
          "mlm": ("bert_mlm", EncoderConfig, MaskedFeed, False),
          "seq2seq": ("seq2seq_reverse", EncoderDecoderConfig, TaskFeed, False)}
+# Objectives of JSONL files and a transformers tokenizer folder: their feeds and losses are
+# tested on a Hugging Face folder (tests/train/test_hf_finetune.py, test_preference.py).
+FOLDER_KINDS = {"sft", "dpo"}
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +33,12 @@ def corpus(tmp_path_factory):
 
 def test_the_registry_holds_the_names_an_experiment_accepts():
     names = typing.get_args(typing.get_type_hints(Experiment)["objective"])
-    assert set(names) == set(OBJECTIVES) == set(KINDS)
+    assert set(names) == set(OBJECTIVES) == set(KINDS) | FOLDER_KINDS
     assert all(objective.name == name for name, objective in OBJECTIVES.items())
     assert all(dataclasses.is_dataclass(o) and type(o).__dataclass_params__.frozen
                for o in OBJECTIVES.values())
     with pytest.raises(ValueError, match=r"objective must be one of \('causal_lm', 'mlm', "
-                                         r"'seq2seq'\), got 'gpt'"):
+                                         r"'seq2seq', 'sft', 'dpo'\), got 'gpt'"):
         get_objective("gpt")
 
 

@@ -10,6 +10,7 @@ from tfx.peft.lora import LoRA
 from tfx.peft.params import count, load, only_peft, save
 from tfx.peft.prefix import Prefix
 from tfx.peft.prompt import SoftPrompt
+from tfx.peft.switch import adapters_off
 
-__all__ = ["Adapters", "LoRA", "PeftParam", "Prefix", "SoftPrompt", "count", "load", "lora",
-           "only_peft", "save"]
+__all__ = ["Adapters", "LoRA", "PeftParam", "Prefix", "SoftPrompt", "adapters_off", "count", "load",
+           "lora", "only_peft", "save"]

@@ -29,6 +29,9 @@ class FullTuning:
         """No `tfx.peft` method."""
         return None
 
+    def prepare_base(self, model) -> None:
+        """Change the base model before the method attaches (nothing to do here)."""
+
 
 class _Method:
     """A `tfx.peft` method's settings, its fields named as the method class's arguments:
@@ -40,11 +43,17 @@ class _Method:
     def __post_init__(self):
         self.settings()
 
+    def prepare_base(self, model) -> None:
+        """Change the base model before the method attaches (most methods change nothing)."""
+
+    base_only: ClassVar[tuple[str, ...]] = ()  # fields that change the base, not the method
+
     def settings(self):
         """The `tfx.peft` method object of these settings."""
         from tfx import peft
 
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if f.name not in self.base_only}
         # A stored run (JSON) gives lists where the method takes tuples.
         fields = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
         return getattr(peft, self.peft_class)(**fields)
@@ -66,6 +75,19 @@ class LoraTuning(_Method):
     """How the factors start (see `tfx.peft.LoRA`)."""
     rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(r)."""
+    dropout: float = 0.0
+    """Dropout on the input of the low-rank path (peft's lora_dropout)."""
+    quantize: Literal["int8", "int4", "nf4"] | None = None
+    """Quantize the frozen base's linear layers first (tfx.quant; nf4 is QLoRA)."""
+
+    base_only: ClassVar[tuple[str, ...]] = ("quantize",)
+
+    def prepare_base(self, model) -> None:
+        """QLoRA: quantize the base (in place) before the factors attach."""
+        if self.quantize is not None:
+            from tfx.quant import quantize
+
+            quantize(model, self.quantize)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

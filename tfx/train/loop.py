@@ -131,6 +131,7 @@ class Trainer:
         """The model, the train state (placed on the mesh) and the compiled steps."""
         experiment, t = self.experiment, self.experiment.train
         model, trainable = initial_model(experiment)
+        self.objective.prepare(self.feed, model)  # e.g. DPO's reference log-probs
         self.optimizer = make_optimizer(experiment.optim, t.steps)
         self.graphdef, self.rest, self.state = init_train_state(
             model, self.optimizer, seed=t.seed, trainable=trainable)

@@ -83,6 +83,9 @@ class Objective(abc.ABC):
             return PACKED_FEEDS[self._feed()]
         return self._feed()
 
+    def prepare(self, feed, model) -> None:
+        """Ready `feed` with what it needs from the starting `model` (nothing, for most)."""
+
     @abc.abstractmethod
     def _loss(self) -> Loss:
         """The loss function (tfx.train.losses), imported when asked for: it needs jax."""
@@ -198,6 +201,23 @@ class PreferenceTuning(Objective):
         super().check(experiment)
         if experiment.data.packing:
             raise ValueError("objective 'dpo' takes no data.packing: each pair is its own row")
+
+    def prepare(self, feed, model) -> None:
+        """Full fine-tuning keeps no frozen copy of the weights: the starting model scores
+        every pair once, and the batches carry those reference log-probs. (With LoRA the
+        reference is the model with its adapter off; SimPO needs none.)"""
+        experiment = feed.experiment
+        if experiment.peft.method != "full" or experiment.preference.loss == "simpo":
+            return
+        import jax
+        from flax import nnx
+
+        from tfx.train.preference import reference_logps
+
+        model.eval()
+        graphdef, state = nnx.split(model)  # the weights as an argument, not constants
+        score = jax.jit(lambda state, batch: reference_logps(nnx.merge(graphdef, state), batch))
+        feed.precompute_reference(functools.partial(score, state))
 
     def _loss(self) -> Loss:
         from tfx.train.preference import dpo_loss

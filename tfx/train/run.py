@@ -122,7 +122,8 @@ def initial_model(experiment: Experiment, *, base_weights: bool = True,
     """The run's model at step 0 and the filter of its trained parameters.
 
     The seed's initialisation, then (base_weights) the weights of `train.init_from`, then the
-    parameters that a PEFT method adds (those are then the only trained ones: `PeftParam`).
+    method's change of the base (QLoRA quantizes it), then the parameters that a PEFT method
+    adds (those are then the only trained ones: `PeftParam`).
     """
     t = experiment.train
     model = create(experiment.model, rngs=nnx.Rngs(t.seed))
@@ -131,6 +132,7 @@ def initial_model(experiment: Experiment, *, base_weights: bool = True,
     method = experiment.peft.settings()
     if method is None:
         return model, nnx.Param
+    experiment.peft.prepare_base(model)  # e.g. QLoRA's quantized base
     method.attach(model, rngs=nnx.Rngs(t.seed + 1))  # fine-tune only what the method adds
     return model, PeftParam
 

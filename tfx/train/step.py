@@ -269,11 +269,14 @@ def finish_eval(results: list) -> dict:
 
 def _ratios(sums: dict) -> dict:
     """Metric sums -> rates: correct/targets -> accuracy, exact/sequences -> exact_match, MoE
-    loss sums / targets -> their means."""
+    loss sums / targets -> their means, preference rewards and log-probs / pairs -> theirs."""
     out = {name: sums[name] / jnp.maximum(sums["targets"], 1.0) for name in MOE_METRICS
            if name in sums}
     if "correct" in sums:
         out["accuracy"] = sums["correct"] / jnp.maximum(sums["targets"], 1.0)
     if "exact" in sums:
         out["exact_match"] = sums["exact"] / jnp.maximum(sums["sequences"], 1.0)
+    if "pairs" in sums:  # preference tuning: per-pair means of its rewards and log-probs
+        out |= {name: value / jnp.maximum(sums["pairs"], 1.0) for name, value in sums.items()
+                if name.startswith(("rewards_", "logps_"))}
     return out
