@@ -114,3 +114,32 @@ def test_a_context_parallel_run_matches_one_device(tmp_path, single):
                _env(8))])
     losses, params, _ = _result(tmp_path / "run")
     assert_same_training(losses, params, ref_losses, ref_params, learning_rate=lr)
+
+
+@pytest.mark.slow
+def test_lora_sft_of_a_hugging_face_folder_on_a_mesh_matches_one_device(tmp_path):
+    # Start from a transformers folder, LoRA, packed examples and remat, on data x FSDP x
+    # tensor: the fine-tuning path meets the mesh as training from scratch does.
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from hf_folders import chat_model_folder
+
+    folder = chat_model_folder(torch, transformers, tmp_path / "llama")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"prompt": f"{i} plus {i}?", "completion": f"{2 * i}."})
+                             + "\n" for i in range(40)))
+
+    def command(workdir, *mesh):  # the folder gives the model: no TINY model options
+        return [sys.executable, "-m", "tfx", "train", "sft", "--workdir", str(workdir),
+                "--init-from", str(folder), "--data", str(chats), "--steps", str(STEPS),
+                "--log-every", "1", "--checkpoint-every", str(STEPS), "--no-progress",
+                "--train.batch-size=4", "--train.seq-len=32", "--train.eval-batches=1",
+                "--data.packing=True", "--model.compute.remat=True", *mesh, "--peft", "lora",
+                "--peft.targets", "query", "value", "down"]
+
+    _run_all([(command(tmp_path / "one"), _env()),
+              (command(tmp_path / "eight", "--mesh.data=2", "--mesh.fsdp=2", "--mesh.tensor=2"),
+               _env(8))])
+    ref_losses, ref_params, lr = _result(tmp_path / "one")
+    losses, params, _ = _result(tmp_path / "eight")
+    assert_same_training(losses, params, ref_losses, ref_params, learning_rate=lr)

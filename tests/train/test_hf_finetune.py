@@ -230,3 +230,9 @@ def test_dpo_from_the_command_line_logs_rewards(folder, tmp_path, peft):
     for name in ("rewards_chosen", "rewards_margin", "rewards_accuracy", "logps_chosen"):
         assert name in first and math.isfinite(first[name])
     assert any(r["split"] == "val" and "rewards_margin" in r for r in records)
+
+
+def test_model_options_that_the_folder_fixes_are_refused(folder, chats, tmp_path, capsys):
+    status = main(_train_args(tmp_path / "w", folder, chats, "--model.num-layers=1"))
+    assert status == 2 and "model.num_layers cannot be set" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()

@@ -58,6 +58,8 @@ class Train(Generic[E]):
                  ("checkpoint_every", self.checkpoint_every), ("log_every", self.log_every),
                  ("init_from", self.init_from)) if value is not None}
         data = {} if self.data is None else {"source": self.data}
+        if self.init_from is not None:
+            _refuse_model_options(e, self.init_from)
         return dataclasses.replace(e, train=dataclasses.replace(e.train, **train),
                                    data=dataclasses.replace(e.data, **data))
 
@@ -177,6 +179,26 @@ def _choices(experiments: dict[str, Experiment]):
     return Annotated[union, tyro.conf.FlagConversionOff,
                      tyro.conf.arg(name="", default=experiments[DEFAULT_EXPERIMENT],
                                    prefix_name=False)]
+
+
+def _refuse_model_options(experiment: Experiment, init_from: str) -> None:
+    """A Hugging Face folder gives the model: refuse --model.* options that would change what
+    it is (only how it computes, model.compute.* and model.attention.implementation, may
+    change), rather than ignore them."""
+    from tfx.train.pretrained import is_hf_base
+
+    preset = EXPERIMENTS[experiment.name].model
+    if not is_hf_base(init_from) or type(experiment.model) is not type(preset):
+        return
+    allowed = dataclasses.replace(preset, compute=experiment.model.compute, attention=(
+        dataclasses.replace(preset.attention,
+                            implementation=experiment.model.attention.implementation)))
+    changed = [f.name for f in dataclasses.fields(preset)
+               if getattr(experiment.model, f.name) != getattr(allowed, f.name)]
+    if changed:
+        raise ValueError(f"--init-from {init_from} gives the model (its config.json): "
+                         f"model.{', model.'.join(changed)} cannot be set; only "
+                         "model.compute.* and model.attention.implementation can")
 
 
 def _summary(experiment: Experiment) -> str:

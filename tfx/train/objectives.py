@@ -83,7 +83,7 @@ class Objective(abc.ABC):
             return PACKED_FEEDS[self._feed()]
         return self._feed()
 
-    def prepare(self, feed, model) -> None:
+    def prepare(self, feed, model) -> None:  # noqa: B027 (most objectives need nothing)
         """Ready `feed` with what it needs from the starting `model` (nothing, for most)."""
 
     @abc.abstractmethod
