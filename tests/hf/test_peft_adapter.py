@@ -1,7 +1,14 @@
-"""Export of LoRA factors in peft's adapter format: the base model saved with `tfx.hf.save`, the
-adapter with `save_peft_adapter`; transformers + `peft.PeftModel.from_pretrained` must then
-compute what the tfx LoRA model computes, and the files must be what peft's own
-`save_pretrained` writes for the same LoraConfig (names, shapes, config)."""
+"""Export of LoRA factors in peft's adapter format: the base model saved with `tfx.hf.save` (or
+the transformers folder the tfx model was loaded from), the adapter with `save_peft_adapter`;
+transformers + `peft.PeftModel.from_pretrained` must then compute what the tfx LoRA model
+computes, and the files must be what peft's own `save_pretrained` writes for the same
+LoraConfig (names, shapes, config).
+
+Every family peft knows is a tiny perturbed transformers model (tests/causal_lm_parity.py),
+loaded by `tfx.hf.load` from its save_pretrained folder, with random non-zero factors on every
+target it has. The fused modules (Phi-3's qkv_proj and gate_up_proj, GPT-NeoX's
+query_key_value, GPT-2's Conv1D c_attn) get one LoRA of rank k·r (rank_pattern); the NeoX case
+adapts only query and value of its query_key_value (a zero key block)."""
 
 import json
 
@@ -15,10 +22,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
+from causal_lm_parity import hf_causal_lm  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
 import tfx.hf  # noqa: E402
-from tfx.hf import bert, llama  # noqa: E402
+from tfx.hf import bert, llama, qwen  # noqa: E402
 from tfx.hf.peft_adapter import save_peft_adapter  # noqa: E402
 from tfx.models import create  # noqa: E402
 from tfx.peft import LoRA  # noqa: E402
@@ -30,22 +38,57 @@ VOCAB, SEQ = 99, 10
 TINY_LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 PROJECTIONS = ("query", "key", "value", "out", "up", "down")
+ALL = (*PROJECTIONS, "gate")
+# Each family: (architecture, config fields beyond TINY_LLAMA's, LoRA targets, config class or
+# None for the architecture's own). Some cases adapt an untied head or token embeddings too.
+EXPERTS = dict(num_experts_per_tok=2, moe_intermediate_size=16)
+GEMMA = dict(head_dim=16, sliding_window=4, query_pre_attn_scalar=24, tie_word_embeddings=False)
+FAMILIES = {
+    "mistral": ("MistralForCausalLM", dict(sliding_window=4), (*ALL, "tokens", "head"), None),
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2),
+                ("query", "key", "value", "out", "head"), None),
+    "qwen2": ("Qwen2ForCausalLM", dict(tie_word_embeddings=False), (*ALL, "tokens"), None),
+    "qwen3": ("Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=True), ALL, None),
+    # MLPs are refused (peft reads gate_proj, ... as the experts): attention only.
+    "qwen3-moe": ("Qwen3MoeForCausalLM", dict(EXPERTS, num_experts=4, mlp_only_layers=[0]),
+                  ("query", "key", "value", "out"), None),
+    "gemma2": ("Gemma2ForCausalLM", dict(GEMMA, attn_logit_softcapping=2.0,
+                                         final_logit_softcapping=3.0), (*ALL, "tokens"), None),
+    "gemma3": ("Gemma3ForCausalLM", GEMMA, (*ALL, "head"), "Gemma3TextConfig"),
+    "phi3": ("Phi3ForCausalLM", dict(pad_token_id=0), (*ALL, "tokens"), None),
+    "olmo2": ("Olmo2ForCausalLM", dict(attention_bias=True, pad_token_id=0), ALL, None),
+    "gpt-neox": ("GPTNeoXForCausalLM", dict(num_key_value_heads=None, rotary_pct=0.5),
+                 ("query", "value", "out", "down", "tokens", "head"), None),
+    # GPT2Config reads TINY_LLAMA's sizes by their other names (its attribute_map).
+    "gpt2": ("GPT2LMHeadModel", {}, PROJECTIONS, None),
+    "deepseek-v3": ("DeepseekV3ForCausalLM", dict(
+        EXPERTS, num_key_value_heads=4, n_routed_experts=4, n_group=1, topk_group=1,
+        first_k_dense_replace=1, n_shared_experts=1, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
+        ("q_a", "q_b", "kv_a", "kv_b", "out", "head"), None),
+}
+# The fused modules' ranks (rank_pattern) for rank 2.
+FUSED_RANKS = {"phi3": {"qkv_proj": 6, "gate_up_proj": 4}, "gpt-neox": {"query_key_value": 4},
+               "gpt2": {"c_attn": 6}}
 
 
 def _llama(**overrides):
     return llama.config_from_hf({**TINY_LLAMA, **overrides}, LLAMA)
 
 
-def _with_lora(config, lora: LoRA, seed: int = 0):
-    """A tfx model with `lora` attached and every factor random: init leaves b = 0, which
-    would hide a wrongly laid out b."""
-    model = create(config, rngs=nnx.Rngs(seed))
-    lora.attach(model, rngs=nnx.Rngs(seed + 1))
+def _randomize(model, seed: int = 0):
+    """Every LoRA factor random: init leaves b = 0, which would hide a wrongly laid out b."""
     # numpy draws: eager jax.random would compile once per factor shape.
     rng = np.random.default_rng(seed)
     nnx.update(model, jax.tree.map(lambda x: jnp.asarray(0.3 * rng.normal(size=x.shape), x.dtype),
                                    nnx.state(model, PeftParam)))
     return model
+
+
+def _with_lora(config, lora: LoRA, seed: int = 0):
+    model = create(config, rngs=nnx.Rngs(seed))
+    lora.attach(model, rngs=nnx.Rngs(seed + 1))
+    return _randomize(model, seed)
 
 
 def _export(model, tmp_path, architecture, base_model=None):
@@ -60,25 +103,46 @@ def _ids(batch=2, seed=0):
     return np.random.default_rng(seed).integers(0, VOCAB, size=(batch, SEQ))
 
 
+def _assert_peft_matches(model, base, adapter, ids, output="logits"):
+    """transformers' model in `base` with the peft adapter computes `model`'s output, and the
+    adapter matters (a silently dropped factor would not change it)."""
+    auto = transformers.AutoModelForCausalLM if output == "logits" else transformers.AutoModel
+    hf = auto.from_pretrained(base, attn_implementation="eager")
+    peft_model = peft.PeftModel.from_pretrained(hf, adapter).eval()
+    with torch.no_grad():
+        theirs = getattr(peft_model(input_ids=torch.tensor(ids)), output).numpy()
+        with peft_model.disable_adapter():
+            plain = getattr(peft_model(input_ids=torch.tensor(ids)), output).numpy()
+    np.testing.assert_allclose(np.asarray(model(ids)), theirs, atol=1e-4, rtol=1e-4)
+    assert np.abs(plain - theirs).max() > 1e-2
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family(tmp_path, family):
+    architecture, fields, targets, config_class = FAMILIES[family]
+    hf = hf_causal_lm(torch, transformers, architecture, {**TINY_LLAMA, **fields}, scale=0.3,
+                      config_class=config_class and getattr(transformers, config_class))
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    hf.save_pretrained(base)
+    model = _randomize(LoRA(rank=2, alpha=3.0, targets=targets).attach(
+        tfx.hf.load(base), rngs=nnx.Rngs(1)))
+    save_peft_adapter(model, adapter, architecture=architecture, base_model=str(base))
+    _assert_peft_matches(model, base, adapter, _ids())
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["rank_pattern"] == FUSED_RANKS.get(family, {})
+    assert config["alpha_pattern"] == {name: 1.5 * r for name, r in config["rank_pattern"].items()}
+    assert config["fan_in_fan_out"] == (family == "gpt2")
+
+
 @pytest.mark.parametrize("scan_layers, lora", [
-    (False, LoRA(rank=4, alpha=8.0, targets=(*PROJECTIONS, "gate", "tokens", "head"))),
+    (False, LoRA(rank=4, alpha=8.0, targets=(*ALL, "tokens", "head"))),
     pytest.param(True, LoRA(rank=3, alpha=5.0, targets=PROJECTIONS, rslora=True),
                  marks=pytest.mark.slow),  # stacked layers compile their own scan: ~10 s
 ], ids=["all-targets", "scan-rslora"])
 def test_peft_model_matches_tfx_lora(tmp_path, scan_layers, lora):
     model = _with_lora(_llama().replace(compute={"scan_layers": scan_layers}), lora)
     base, adapter = _export(model, tmp_path, LLAMA)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation="eager")
-    peft_model = peft.PeftModel.from_pretrained(hf, adapter).eval()
-    ids = _ids()
-    with torch.no_grad():
-        theirs = peft_model(input_ids=torch.tensor(ids)).logits.numpy()
-    ours = np.asarray(model(ids))
-    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
-    # The adapter really changes the output (a silently dropped factor would not).
-    with peft_model.disable_adapter(), torch.no_grad():
-        plain = peft_model(input_ids=torch.tensor(ids)).logits.numpy()
-    assert np.abs(plain - theirs).max() > 1e-2
+    _assert_peft_matches(model, base, adapter, _ids())
 
 
 def test_files_are_what_peft_writes(tmp_path):
@@ -124,12 +188,7 @@ def test_bert_model(tmp_path):
     model = _with_lora(config, LoRA(rank=2, targets=("query", "value", "out", "up", "down")))
     model.eval()
     base, adapter = _export(model, tmp_path, "BertModel")
-    hf = transformers.AutoModel.from_pretrained(base, attn_implementation="eager")
-    peft_model = peft.PeftModel.from_pretrained(hf, adapter).eval()
-    ids = _ids()
-    with torch.no_grad():
-        theirs = peft_model(input_ids=torch.tensor(ids)).last_hidden_state.numpy()
-    np.testing.assert_allclose(np.asarray(model(ids)), theirs, atol=1e-4, rtol=1e-4)
+    _assert_peft_matches(model, base, adapter, _ids(), output="last_hidden_state")
 
 
 def test_errors(tmp_path):
@@ -138,6 +197,8 @@ def test_errors(tmp_path):
         save_peft_adapter(plain, tmp_path, architecture=LLAMA)
     adapted = _with_lora(_llama(), LoRA(rank=2))
     with pytest.raises(ValueError, match=r"architecture must be one of .*LlamaForCausalLM"):
+        save_peft_adapter(adapted, tmp_path, architecture="T5ForConditionalGeneration")
+    with pytest.raises(ValueError, match="GPT2LMHeadModel cannot express"):
         save_peft_adapter(adapted, tmp_path, architecture="GPT2LMHeadModel")
     tied = _with_lora(_llama(tie_word_embeddings=True), LoRA(rank=2, targets=("tokens",)))
     with pytest.raises(ValueError, match="tied token embeddings"):
@@ -146,6 +207,13 @@ def test_errors(tmp_path):
     routed = _with_lora(moe, LoRA(rank=2, targets=("query", "router")))
     with pytest.raises(ValueError, match="mlp/router have no MixtralForCausalLM module"):
         save_peft_adapter(routed, tmp_path, architecture="MixtralForCausalLM")
+    with pytest.raises(ValueError, match="cannot express a model with experts"):
+        save_peft_adapter(routed, tmp_path, architecture=LLAMA)
+    qwen_moe = qwen.config_from_hf(dict(TINY_LLAMA, **EXPERTS, num_experts=4, mlp_only_layers=[0]),
+                                   "Qwen3MoeForCausalLM")
+    dense_mlp = _with_lora(qwen_moe, LoRA(rank=2, targets=("query", "up")))
+    with pytest.raises(ValueError, match=r"layers/0/mlp/up .* peft reads a target named up_proj"):
+        save_peft_adapter(dense_mlp, tmp_path, architecture="Qwen3MoeForCausalLM")
     with pytest.raises(TypeError, match="base_model"):
         save_peft_adapter(adapted, tmp_path, architecture=LLAMA, base_model=3)
     assert not list(tmp_path.iterdir())  # nothing written by a failed export

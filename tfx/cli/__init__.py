@@ -6,7 +6,7 @@
     tfx train sft --init-from HF_FOLDER --data chats.jsonl --workdir DIR [--peft lora ...]
     tfx sample --workdir DIR --prompt TEXT [--max_new_tokens N] [--temperature T] [--chat] ...
     tfx eval --workdir DIR [--data FILE | --tasks TASK ... --include-path DIR]
-    tfx export --workdir DIR --to FOLDER [--merged]
+    tfx export --workdir DIR --to FOLDER [--merged True|False]
     tfx embed TEXT ... [--model FOLDER] [--output FILE.npy]
     tfx experiments
 

@@ -30,8 +30,13 @@ def train(command) -> int:
               f"run the same command to resume", file=sys.stderr)
         return 128 + result.signal
     if _samples(experiment):
-        text = _generate(workdir, prompt="def ", max_new_tokens=200, temperature=0.8)
-        print(f"sample after {result.step} steps:\n{text[0]}")
+        from tfx.train.sampling import closing_prompt
+
+        prompt, chat = closing_prompt(experiment)
+        text = _generate(workdir, prompt=prompt, max_new_tokens=200, temperature=0.8,
+                         chat=chat)
+        print(f"sample after {result.step} steps{f' for {prompt!r}' if chat else ''}:\n"
+              f"{text[0]}")
     return 0
 
 

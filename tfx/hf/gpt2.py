@@ -16,7 +16,7 @@ from tfx.hf import llama, plan
 from tfx.models.config import DecoderConfig, field_value, nested
 
 __all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
-           "params_from_hf", "params_to_hf", "steps"]
+           "packed_tensors", "params_from_hf", "params_to_hf", "steps", "tensor_names"]
 
 ARCHITECTURES = ("GPT2LMHeadModel",)
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
@@ -106,12 +106,9 @@ def steps(names, config: DecoderConfig) -> list[plan.Step]:
     def hf(name: str) -> str:
         return name.removeprefix("transformer.") if bare else name
 
-    out = [plan.copy(path, hf(name)) for path, name in _names(config).items()]
-    for i in range(config.num_layers):
-        for kind, suffix in (("kernel", "weight"), ("bias", "bias")):
-            name = hf(f"transformer.h.{i}.attn.c_attn.{suffix}")
-            targets = tuple(("stack", "layers", i, "attention", q, kind) for q in _QKV)
-            out.append(plan.Step(targets, (name,), functools.partial(_split_qkv, name)))
+    out = [plan.copy(path, hf(name)) for path, name in tensor_names(config).items()]
+    for name, targets in packed_tensors(config).items():
+        out.append(plan.Step(targets, (hf(name),), functools.partial(_split_qkv, hf(name))))
     if not config.embeddings.tie:  # nn.Linear [out, in]
         out.append(plan.copy(("head", "kernel"), "lm_head.weight", transpose=True))
     elif "lm_head.weight" in names:  # a tied checkpoint may hold a copy: checked, not used
@@ -129,17 +126,24 @@ def _split_qkv(name: str, packed: np.ndarray) -> list[np.ndarray]:
 def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
     """tfx parameters by state path -> GPT2LMHeadModel tensors (lm_head left out when tied, as
     save_pretrained does)."""
-    tensors = {name: params[path] for path, name in _names(config).items()}
-    for i in range(config.num_layers):
-        for kind, suffix in (("kernel", "weight"), ("bias", "bias")):
-            parts = [params[("stack", "layers", i, "attention", name, kind)] for name in _QKV]
-            tensors[f"transformer.h.{i}.attn.c_attn.{suffix}"] = np.concatenate(parts, axis=-1)
+    tensors = {name: params[path] for path, name in tensor_names(config).items()}
+    for name, targets in packed_tensors(config).items():
+        tensors[name] = np.concatenate([params[path] for path in targets], axis=-1)
     if not config.embeddings.tie:
         tensors["lm_head.weight"] = params[("head", "kernel")].T
     return tensors
 
 
-def _names(config: DecoderConfig) -> dict[tuple, str]:
+def packed_tensors(config: DecoderConfig) -> dict[str, tuple[tuple, ...]]:
+    """Packed tensor name -> the query, key and value parameters it holds side by side:
+    `attn.c_attn.weight` [d, 3·d] (Conv1D, [in, out]) and its bias [3·d]."""
+    return {f"transformer.h.{i}.attn.c_attn.{suffix}":
+            tuple(("stack", "layers", i, "attention", name, kind) for name in _QKV)
+            for i in range(config.num_layers) for kind, suffix in (("kernel", "weight"),
+                                                                   ("bias", "bias"))}
+
+
+def tensor_names(config: DecoderConfig) -> dict[tuple, str]:
     """tfx path -> HF name of every tensor that maps one to one (all but c_attn and lm_head)."""
     names = {("embeddings", "tokens", "table"): "transformer.wte.weight",
              ("embeddings", "positions", "table"): "transformer.wpe.weight"}

@@ -40,7 +40,8 @@ from tfx.hf import llama, plan
 from tfx.models.config import DecoderConfig, nested
 
 __all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
-           "params_from_hf", "params_to_hf", "steps", "tensor_names"]
+           "pack_heads", "packed_tensors", "params_from_hf", "params_to_hf", "steps",
+           "tensor_names"]
 
 ARCHITECTURES = ("GPTNeoXForCausalLM",)
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
@@ -131,7 +132,7 @@ def steps(names, config: DecoderConfig) -> list[plan.Step]:
            for path, name in tensor_names(config, head).items()]
     if config.embeddings.tie and head in names:  # a copy: checked, not used
         out.append(plan.tied(head, _EMBED))
-    for name, targets in _packed(config).items():
+    for name, targets in packed_tensors(config).items():
         out.append(plan.Step(targets, (name,),
                              functools.partial(_split_heads, name, config.num_heads)))
     return out
@@ -142,8 +143,8 @@ def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
     them (embed_out left out when tied)."""
     tensors = {name: params[path].T if path[-1] == "kernel" else params[path]
                for path, name in tensor_names(config).items()}
-    for name, targets in _packed(config).items():
-        tensors[name] = _pack_heads([params[path] for path in targets], config.num_heads)
+    for name, targets in packed_tensors(config).items():
+        tensors[name] = pack_heads([params[path] for path in targets], config.num_heads)
     return tensors
 
 
@@ -170,7 +171,7 @@ def tensor_names(config: DecoderConfig, head: str = _HEADS[0]) -> dict[tuple, st
     return names
 
 
-def _packed(config: DecoderConfig) -> dict[str, tuple[tuple, ...]]:
+def packed_tensors(config: DecoderConfig) -> dict[str, tuple[tuple, ...]]:
     """Packed tensor name -> the query, key and value parameters it holds."""
     kinds = {"kernel": "weight", **({"bias": "bias"} if llama.biases(config)["query"] else {})}
     return {f"gpt_neox.layers.{i}.attention.query_key_value.{suffix}":
@@ -189,7 +190,7 @@ def _split_heads(name: str, heads: int, packed: np.ndarray) -> list[np.ndarray]:
     return [per_head[:, j].reshape(-1, *rest).T for j in range(3)]
 
 
-def _pack_heads(parts: list[np.ndarray], heads: int) -> np.ndarray:
+def pack_heads(parts: list[np.ndarray], heads: int) -> np.ndarray:
     """The inverse of `_split_heads`: query, key and value kernels [d, H·D] (biases [H·D]) ->
     the packed weight [3·H·D, d] (bias [3·H·D])."""
     rows = [np.asarray(part).T for part in parts]  # nn.Linear [out, in]; a bias is itself

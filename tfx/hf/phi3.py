@@ -36,7 +36,7 @@ from tfx.hf import llama, plan
 from tfx.models.config import DecoderConfig, nested
 
 __all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
-           "params_from_hf", "params_to_hf", "steps"]
+           "fused_tensors", "params_from_hf", "params_to_hf", "steps", "tensor_names"]
 
 ARCHITECTURES = ("Phi3ForCausalLM",)
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
@@ -105,8 +105,8 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: DecoderConfig) -> dic
 def steps(names, config: DecoderConfig) -> list[plan.Step]:
     """The conversion plan for a checkpoint holding tensors `names` (see `tfx.hf.plan`): LLaMA's
     copies, and the fused tensors split by rows."""
-    out = llama.steps(names, config, _one_to_one(config))
-    for name, (paths, rows) in _fused(config).items():
+    out = llama.steps(names, config, tensor_names(config))
+    for name, (paths, rows) in fused_tensors(config).items():
         out.append(plan.Step(paths, (name,), functools.partial(_split_rows, name, rows)))
     return out
 
@@ -114,13 +114,13 @@ def steps(names, config: DecoderConfig) -> list[plan.Step]:
 def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
     """tfx parameters by state path -> Phi3ForCausalLM tensors (lm_head left out when tied, as
     save_pretrained does)."""
-    tensors = llama.params_to_hf(params, config, _one_to_one(config))
-    for name, (paths, _) in _fused(config).items():
+    tensors = llama.params_to_hf(params, config, tensor_names(config))
+    for name, (paths, _) in fused_tensors(config).items():
         tensors[name] = np.concatenate([np.asarray(params[path]).T for path in paths])
     return tensors
 
 
-def _fused(config: DecoderConfig) -> dict[str, tuple[tuple, tuple[int, ...]]]:
+def fused_tensors(config: DecoderConfig) -> dict[str, tuple[tuple, tuple[int, ...]]]:
     """Fused tensor name -> (the kernels it packs, in order; their rows in it)."""
     head_dim = config.attention.head_dim or config.d_model // config.num_heads
     q, kv, f = config.num_heads * head_dim, config.kv_heads * head_dim, config.d_ff
@@ -135,9 +135,10 @@ def _fused(config: DecoderConfig) -> dict[str, tuple[tuple, tuple[int, ...]]]:
     return out
 
 
-def _one_to_one(config: DecoderConfig) -> dict[tuple, str]:
-    """LLaMA's tensor names (`tfx.hf.llama.tensor_names`) but those the fused tensors hold."""
-    fused = {path for paths, _ in _fused(config).values() for path in paths}
+def tensor_names(config: DecoderConfig) -> dict[tuple, str]:
+    """tfx path -> HF tensor name of the tensors copied one to one: LLaMA's
+    (`tfx.hf.llama.tensor_names`) but the kernels that `fused_tensors` packs."""
+    fused = {path for paths, _ in fused_tensors(config).values() for path in paths}
     return {path: name for path, name in llama.tensor_names(config).items() if path not in fused}
 
 

@@ -3,6 +3,7 @@ or a Hugging Face folder, a KV cache long enough for the request, and chat promp
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,7 @@ from flax import nnx
 
 from tfx.train.data import Tokenizer
 
-__all__ = ["chat_prompt", "load_model", "with_cache_length"]
+__all__ = ["chat_prompt", "closing_prompt", "load_model", "with_cache_length"]
 
 # The window of a Hugging Face model scored without a run's train.seq_len.
 DEFAULT_SEQ_LEN = 1024
@@ -68,3 +69,17 @@ def chat_prompt(tokenizer: Tokenizer, text: str) -> tuple[np.ndarray, int | None
     ids, _ = tokenizer.encode_chat([{"role": "user", "content": text}],
                                    add_generation_prompt=True)
     return np.asarray(ids, np.int32), tokenizer.eos_id
+
+
+def closing_prompt(experiment) -> tuple[str, bool]:
+    """(prompt, chat) of the sample `tfx train` prints at the end: for the JSONL objectives
+    (sft, dpo) the first prompt of the data file, as a chat turn when it is one; else "def "
+    (the embedded corpus is Python)."""
+    if experiment.objective not in ("sft", "dpo") or experiment.data.source is None:
+        return "def ", False
+    with open(experiment.data.source, encoding="utf-8") as file:
+        first = json.loads(next(line for line in file if line.strip()))
+    turns = first.get("messages", first.get("prompt"))
+    if isinstance(turns, str):
+        return turns, False
+    return next(t["content"] for t in turns if t["role"] == "user"), True
