@@ -1,5 +1,5 @@
-"""Tokenizing a corpus: `tfx.train.shards.tokenize_to_shards` vs `datasets.Dataset.map` with the
-same `tokenizers` tokenizer, on the same texts in the same run.
+"""Tokenizing a corpus: `tfx.train.shard_writer.tokenize_to_shards` vs `datasets.Dataset.map`
+with the same `tokenizers` tokenizer, on the same texts in the same run.
 
     python benchmarks/tokenize_shards.py                   # 5 alternating repeats
     python benchmarks/tokenize_shards.py --quick           # 2 repeats: a smoke run
@@ -36,7 +36,7 @@ from timing import add_output_arguments, markdown_path, markdown_table, provenan
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tfx.train.data import ByteTokenizer, HFTokenizer, stdlib_texts
-from tfx.train.shards import tokenize_to_shards
+from tfx.train.shard_writer import tokenize_to_shards
 
 VOCAB = 8192
 

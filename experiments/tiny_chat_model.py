@@ -1,14 +1,24 @@
-"""Tiny Hugging Face folders as a new user would have them: a causal LM written by transformers'
-`save_pretrained` beside its tokenizer (`tokenizer.json`, `tokenizer_config.json` with special
-tokens, the chat template) written by `PreTrainedTokenizerFast.save_pretrained`. Shared by the
-fine-tuning, evaluation and export tests; the caller has imported torch and transformers
-(`pytest.importorskip`).
+"""A tiny Hugging Face chat model and data to fine-tune it on, made here (nothing downloaded):
+the whole fine-tuning path of docs/finetuning.md on a fresh machine, in minutes.
 
-    folder = chat_model_folder(tmp_path / "llama", "LlamaForCausalLM")
+    python experiments/tiny_chat_model.py runs/tiny [--architecture Qwen2ForCausalLM]
+
+writes into runs/tiny:
+- model/: a small random causal LM written by transformers' `save_pretrained` beside its
+  tokenizer (`tokenizer.json`, `tokenizer_config.json` with special tokens, the chat template)
+  written by `PreTrainedTokenizerFast.save_pretrained` (needs torch and transformers: the
+  parity extra);
+- chats.jsonl (sft lines, {"messages": ...}), heldout.jsonl (more of them), prefs.jsonl
+  ({"prompt", "chosen", "rejected"}) and tasks/ (a local lm-evaluation-harness task: a YAML and
+  its data).
+The tests make their folders with the same functions (`chat_model_folder(torch, transformers,
+folder)`).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import pathlib
 
 import tokenizers
@@ -91,3 +101,69 @@ def chat_model_folder(torch, transformers, folder: pathlib.Path,
             param.add_(0.1 * torch.randn_like(param))
     model.save_pretrained(folder)
     return folder
+
+
+QUESTIONS = [("What is two plus two?", "It is four."), ("Hello!", "Hello! How can I help?"),
+             ("Who jumps over the dog?", "The quick brown fox."),
+             ("What is one plus one?", "It is two."), ("Write add.", "def add(a, b):\n    "
+                                                                   "return a + b")]
+TASK = """task: tiny_qa
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+metadata:
+  version: 1.0
+"""
+
+
+def write_data(out: pathlib.Path) -> None:
+    """chats.jsonl, heldout.jsonl, prefs.jsonl and tasks/ (see the module docstring)."""
+    def chat(q, a):
+        return {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+
+    def lines(records):
+        return "".join(json.dumps(r) + "\n" for r in records)
+
+    (out / "chats.jsonl").write_text(lines(chat(q, a) for q, a in QUESTIONS * 8))
+    (out / "heldout.jsonl").write_text(lines(chat(q, a) for q, a in QUESTIONS))
+    (out / "prefs.jsonl").write_text(lines(
+        {"prompt": [{"role": "user", "content": q}],
+         "chosen": [{"role": "assistant", "content": a}],
+         "rejected": [{"role": "assistant", "content": "the lazy dog"}]}
+        for q, a in QUESTIONS * 4))
+    tasks = out / "tasks"
+    tasks.mkdir(exist_ok=True)
+    answers = [a for _, a in QUESTIONS]
+    (tasks / "tiny_qa.jsonl").write_text(lines(
+        {"question": q, "choices": answers, "answer": i} for i, (q, _) in enumerate(QUESTIONS)))
+    (tasks / "tiny_qa.yaml").write_text(TASK.format(data=(tasks / "tiny_qa.jsonl").resolve()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=pathlib.Path, help="the folder to write")
+    parser.add_argument("--architecture", default="LlamaForCausalLM",
+                        help="LlamaForCausalLM, Qwen2ForCausalLM, ... (a transformers class)")
+    args = parser.parse_args()
+    import torch
+    import transformers
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    template = LLAMA3 if args.architecture == "LlamaForCausalLM" else CHATML
+    chat_model_folder(torch, transformers, args.out / "model", args.architecture,
+                      template=template)
+    write_data(args.out)
+    print(f"wrote {args.out}/model ({args.architecture}), chats.jsonl, heldout.jsonl, "
+          "prefs.jsonl and tasks/")
+
+
+if __name__ == "__main__":
+    main()

@@ -85,9 +85,11 @@ def test_every_python_fence_is_extracted():
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict:
-    """Run every block in one fresh interpreter (cwd: a temporary folder) and return the
-    outcome per first line."""
+    """Run every block in one fresh interpreter (cwd: a temporary folder holding a link to the
+    repository's experiments/, as the README's blocks run from the repository's root) and
+    return the outcome per first line."""
     folder = tmp_path_factory.mktemp("readme")
+    (folder / "experiments").symlink_to(README.parent / "experiments")
     blocks, results = folder / "blocks.json", folder / "results.json"
     blocks.write_text(json.dumps(BLOCKS))
     env = dict(os.environ, MPLBACKEND="Agg")

@@ -1,5 +1,5 @@
-"""Tests for tfx.train.shards: token shards written once and read as memory-mapped streams that
-draw exactly TokenStream's batches."""
+"""Tests for tfx.train.shards and tfx.train.shard_writer: token shards written once and read as
+memory-mapped streams that draw exactly TokenStream's batches."""
 
 import json
 import mmap
@@ -13,13 +13,9 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from tfx.train.data import ByteTokenizer, HFTokenizer, TokenStream, load_corpus, mlm_batch
-from tfx.train.shards import (
-    ShardStream,
-    even_row_range,
-    is_shard_folder,
-    open_shards,
-    tokenize_to_shards,
-)
+from tfx.train.packed_feed import load_documents
+from tfx.train.shard_writer import tokenize_to_shards
+from tfx.train.shards import ShardStream, even_row_range, is_shard_folder, open_shards
 
 # Small shards, so that many windows cross a shard boundary (some cross several).
 SHARD_TOKENS = 97
@@ -250,3 +246,18 @@ def test_load_corpus_reads_a_shard_folder(byte_shards):
     assert isinstance(train, ShardStream) and (train.split, val.split) == ("train", "val")
     with pytest.warns(UserWarning, match="val_fraction=0.2 is not used"):
         load_corpus(byte_shards, ByteTokenizer(), val_fraction=0.2)
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_packing_reads_the_documents_of_a_shard_folder_not_its_files(kind, corpus, bpe,
+                                                                      tmp_path):
+    # data.packing on shards: each document as it was encoded, without the separator ids that
+    # joined it to the next (small shards: documents cross shard boundaries), split as tokenized.
+    tokenizer = ByteTokenizer() if kind == "byte" else bpe
+    tokenize_to_shards([corpus], tokenizer, tmp_path, val_fraction=0.1,
+                       shard_tokens=SHARD_TOKENS, progress=False)
+    documents = load_documents(str(tmp_path), tokenizer, val_fraction=0.1)
+    for got, texts in zip(documents, reference_split(TEXTS, 0.1), strict=True):
+        assert len(got) == len(texts)
+        for doc, (_, text) in zip(got, texts, strict=True):
+            np.testing.assert_array_equal(doc, tokenizer.encode(text))

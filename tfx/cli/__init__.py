@@ -7,6 +7,7 @@
     tfx sample --workdir DIR --prompt TEXT [--max_new_tokens N] [--temperature T] [--chat] ...
     tfx eval --workdir DIR [--data FILE | --tasks TASK ... --include-path DIR]
     tfx export --workdir DIR --to FOLDER [--merged True|False]
+    tfx tokenize SOURCE ... --out DIR [--tokenizer FOLDER]
     tfx embed TEXT ... [--model FOLDER] [--output FILE.npy]
     tfx experiments
 
@@ -75,6 +76,7 @@ def _run(command) -> int:
 
     handlers = {commands.Train: running.train, commands.Sample: running.sample,
                 commands.Eval: running.evaluate, commands.Export: running.export,
+                commands.Tokenize: running.tokenize,
                 commands.Experiments: running.experiments}
     return handlers[type(command)](command)
 

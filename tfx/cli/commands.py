@@ -18,7 +18,7 @@ from tfx.train.config import Experiment
 from tfx.train.experiments import DEFAULT_EXPERIMENT, EXPERIMENTS
 from tfx.train.overrides import switch_parts
 
-__all__ = ["Embed", "Eval", "Experiments", "Export", "Sample", "Train", "parse"]
+__all__ = ["Embed", "Eval", "Experiments", "Export", "Sample", "Tokenize", "Train", "parse"]
 
 E = TypeVar("E")  # the experiments: subcommands whose defaults the command line adjusts
 
@@ -128,6 +128,25 @@ class Export:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Tokenize:
+    """Tokenize text, JSONL or Parquet once into memory-mapped token shards, which
+    `tfx train --data OUT` then reads per step (data larger than memory)."""
+
+    sources: tyro.conf.Positional[tuple[str, ...]]
+    """Text files or folders, .jsonl files ({"text": ...} lines) or .parquet files."""
+    out: str
+    """The folder to write (new or empty)."""
+    tokenizer: str = "byte"
+    """"byte", a tokenizer.json, or a transformers tokenizer folder (the model's)."""
+    val_fraction: float = 0.05
+    """Share of the documents held out for validation."""
+    text_field: str = "text"
+    """The JSONL field or Parquet column that holds each document."""
+    no_progress: tyro.conf.FlagCreatePairsOff[bool] = False
+    """No progress bar."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Embed:
     """Sentence embeddings: the cosine similarity of every pair of texts."""
 
@@ -144,7 +163,7 @@ class Experiments:
     """List the named experiments."""
 
 
-def parse(args: list[str]) -> Train | Sample | Eval | Export | Embed | Experiments:
+def parse(args: list[str]) -> Train | Sample | Eval | Export | Tokenize | Embed | Experiments:
     """The command that `args` (without the program name) spell. tyro prints help or an error
     (naming an unrecognised option and the similar ones) and exits 0 or 2."""
     args = _peft_alias(args)
@@ -160,11 +179,12 @@ def parse(args: list[str]) -> Train | Sample | Eval | Export | Embed | Experimen
         Annotated[Sample, tyro.conf.subcommand("sample", prefix_name=False)],
         Annotated[Eval, tyro.conf.subcommand("eval", prefix_name=False)],
         Annotated[Export, tyro.conf.subcommand("export", prefix_name=False)],
+        Annotated[Tokenize, tyro.conf.subcommand("tokenize", prefix_name=False)],
         Annotated[Embed, tyro.conf.subcommand("embed", prefix_name=False)],
         Annotated[Experiments, tyro.conf.subcommand("experiments", prefix_name=False)]]
     return tyro.cli(commands, args=args, prog="tfx", use_underscores=True,
                     description="tfx: transformer building blocks and models for JAX and Flax "
-                    "NNX: train, sample, evaluate, export, embed.",
+                    "NNX: train, sample, evaluate, export, tokenize, embed.",
                     config=(tyro.conf.CascadeSubcommandArgs,))
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tfx.train.config import non_empty_path
 
-__all__ = ["evaluate", "experiments", "export", "sample", "train"]
+__all__ = ["evaluate", "experiments", "export", "sample", "tokenize", "train"]
 
 
 def train(command) -> int:
@@ -153,6 +153,24 @@ def export(command) -> int:
 
     written = export_run(_workdir(command.workdir), _workdir(command.to), merged=command.merged)
     print(f"exported {command.workdir} to {written}")
+    return 0
+
+
+def tokenize(command) -> int:
+    """Tokenize the sources into token shards (tfx.train.shards); print what was written."""
+    from tfx.train.data import load_tokenizer
+    from tfx.train.shard_writer import tokenize_to_shards
+
+    for source in command.sources:
+        non_empty_path("sources", source)
+    non_empty_path("--out", command.out)
+    manifest = tokenize_to_shards(list(command.sources), load_tokenizer(command.tokenizer),
+                                  Path(command.out), val_fraction=command.val_fraction,
+                                  progress=not command.no_progress,
+                                  text_field=command.text_field)
+    counts = ", ".join(f"{split} {info['tokens']:,} tokens in {info['documents']:,} documents"
+                       for split, info in manifest.splits.items())
+    print(f"wrote {command.out}: {counts}; train on it with `tfx train --data {command.out}`")
     return 0
 
 

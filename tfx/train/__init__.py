@@ -17,11 +17,12 @@ if TYPE_CHECKING:
     from tfx.train.experiments import EXPERIMENTS, get_experiment
     from tfx.train.lock import WorkdirBusyError
     from tfx.train.loop import DivergenceError, Trainer, TrainResult, train
+    from tfx.train.pretrained import from_pretrained
     from tfx.train.run import Run, load_run
 
 __all__ = ["EXPERIMENTS", "CorruptCheckpointError", "DataConfig", "DivergenceError", "Experiment",
            "MeshConfig", "OptimConfig", "Run", "TrainConfig", "TrainResult", "Trainer",
-           "WorkdirBusyError", "get_experiment", "load_run", "train"]
+           "WorkdirBusyError", "from_pretrained", "get_experiment", "load_run", "train"]
 
 __getattr__, __dir__ = lazy_exports(__name__, {
     "CorruptCheckpointError": "tfx.train.checkpoint:CorruptCheckpointError",
@@ -32,4 +33,5 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "WorkdirBusyError": "tfx.train.lock:WorkdirBusyError",
     **{name: f"tfx.train.loop:{name}" for name in
        ("DivergenceError", "Trainer", "TrainResult", "train")},
+    "from_pretrained": "tfx.train.pretrained:from_pretrained",
     "Run": "tfx.train.run:Run", "load_run": "tfx.train.run:load_run"})

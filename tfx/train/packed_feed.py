@@ -21,6 +21,7 @@ from tfx.train.data import Tokenizer, corpus_texts, split_texts
 from tfx.train.feed import _VALIDATION_SEED_OFFSET, MaskedFeed, TaskFeed, TextFeed
 from tfx.train.packing import Packed, lay_out, pack
 from tfx.train.sft_feed import PackedSftFeed, SftFeed
+from tfx.train.shards import is_shard_folder, load_shard_corpus
 
 if TYPE_CHECKING:
     from tfx.train.config import Experiment
@@ -33,7 +34,18 @@ def load_documents(data: str | None, tokenizer: Tokenizer, *, val_fraction: floa
                    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """(train, val) documents, int 1-D token arrays: the texts of `tfx.train.data.load_corpus`
     (split the same way), each file a document, or each non-empty line when `data` is a
-    single file."""
+    single file; or, when `data` is a token-shard folder, the documents it was tokenized from
+    (split when tokenized: `tfx.train.shards`)."""
+    if is_shard_folder(data):  # tokenized already: cut each split's stream at its starts
+        splits = load_shard_corpus(data, tokenizer, val_fraction=val_fraction)
+        gap = len(splits[0].manifest.separator)  # the "\n\n" ids that join two documents
+
+        def spans(stream):
+            tokens, starts = stream.windows([0], len(stream))[0], stream.document_starts
+            ends = np.append(starts[1:] - gap, len(stream))
+            return [tokens[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+
+        return tuple(spans(stream) for stream in splits)
     texts = corpus_texts(data)
     by_line = data not in (None, "stdlib") and pathlib.Path(data).is_file()
 
