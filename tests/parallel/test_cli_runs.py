@@ -143,3 +143,25 @@ def test_lora_sft_of_a_hugging_face_folder_on_a_mesh_matches_one_device(tmp_path
     ref_losses, ref_params, lr = _result(tmp_path / "one")
     losses, params, _ = _result(tmp_path / "eight")
     assert_same_training(losses, params, ref_losses, ref_params, learning_rate=lr)
+
+
+@pytest.mark.slow
+def test_two_processes_reading_their_own_rows_of_token_shards_match_one(tmp_path):
+    # Each process reads only the windows of its own rows (TextFeed.reads_rows); the run equals
+    # a one-process run on the same shards.
+    text = write_corpus(tmp_path).read_text()
+    corpus = tmp_path / "documents"
+    corpus.mkdir()
+    for i in range(4):  # documents, for the train / val split of the shards
+        (corpus / f"{i}.txt").write_text(text[i * len(text) // 4:(i + 1) * len(text) // 4])
+    shards = tmp_path / "shards"
+    _run_all([([sys.executable, "-m", "tfx", "tokenize", str(corpus), "--out", str(shards),
+                "--no-progress"], _env())])
+    _run_all([(_command(tmp_path / "one", shards), _env())])
+    address = f"127.0.0.1:{free_port()}"
+    _run_all([(_command(tmp_path / "two", shards, prefix=(
+        "--coordinator-address", address, "--num-processes", "2", "--process-id", str(i))),
+        _env()) for i in range(2)])
+    ref_losses, ref_params, lr = _result(tmp_path / "one")
+    losses, params, _ = _result(tmp_path / "two")
+    assert_same_training(losses, params, ref_losses, ref_params, learning_rate=lr)

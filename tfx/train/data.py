@@ -345,14 +345,29 @@ class TokenStream:
                              f"{width} one window needs; use a shorter seq_len or more text")
         return self.tokens[np.asarray(starts)[:, None] + np.arange(width)].astype(np.int32)
 
-    def batch(self, step: int, batch_size: int, seq_len: int, *, seed: int) -> np.ndarray:
-        """Random windows for training step `step`: int32 [batch_size, seq_len + 1] (inputs are
-        `[:, :-1]`, next-token targets `[:, 1:]`). The same (seed, step) gives the same batch."""
+    def batch_starts(self, step: int, batch_size: int, seq_len: int, *, seed: int) -> np.ndarray:
+        """int64 [batch_size]: the window starts of training batch `step`, drawn from
+        `default_rng([seed, step])`."""
         step, seed = _check_int("step", step, 0), _check_int("seed", seed, 0)
         batch_size = _check_int("batch_size", batch_size, 1)
         width = _check_int("seq_len", seq_len, 1) + 1
         rng = np.random.default_rng([seed, step])
-        return self.windows(rng.integers(0, max(len(self) - width, 0) + 1, batch_size), width)
+        return rng.integers(0, max(len(self) - width, 0) + 1, batch_size)
+
+    def batch(self, step: int, batch_size: int, seq_len: int, *, seed: int,
+              rows: tuple[int, int] | None = None) -> np.ndarray:
+        """Random windows for training step `step`: int32 [batch_size, seq_len + 1] (inputs are
+        `[:, :-1]`, next-token targets `[:, 1:]`). The same (seed, step) gives the same batch.
+        With `rows=(start, stop)`, only those rows [stop - start, seq_len + 1], and only their
+        windows are read: each process of a multi-process run reads its own
+        (`tfx.parallel.process_row_range`)."""
+        starts = self.batch_starts(step, batch_size, seq_len, seed=seed)
+        if rows is not None:
+            if not 0 <= rows[0] <= rows[1] <= batch_size:
+                raise ValueError(f"rows must be (start, stop) with 0 <= start <= stop <= "
+                                 f"batch_size ({batch_size}), got {rows}")
+            starts = starts[rows[0]:rows[1]]
+        return self.windows(starts, seq_len + 1)
 
     def eval_batches(self, num_batches: int, batch_size: int, seq_len: int) -> list[np.ndarray]:
         """`num_batches` int32 [batch_size, seq_len + 1] batches of evenly spaced windows, the

@@ -43,9 +43,14 @@ class TextFeed:
         """Input tokens the model reads per training batch (for tokens/s)."""
         return self.experiment.train.batch_size * self.experiment.train.seq_len
 
-    def train(self, step: int) -> dict[str, np.ndarray]:
-        """Training batch number `step` (the same on every run with this seed)."""
-        return self._batch(self.train_stream, step, self.experiment.train.seed)
+    # train(step, rows=) builds only the asked rows (each process of a multi-process run its
+    # own): from token shards, only their windows are read.
+    reads_rows = True
+
+    def train(self, step: int, rows: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+        """Training batch number `step` (the same on every run with this seed); with
+        `rows=(start, stop)`, only those rows of it."""
+        return self._batch(self.train_stream, step, self.experiment.train.seed, rows)
 
     def validation(self) -> list[dict[str, np.ndarray]]:
         """The fixed validation batches (train.eval_batches of them)."""
@@ -53,9 +58,9 @@ class TextFeed:
         return [{"tokens": rows} for rows in
                 self.val_stream.eval_batches(t.eval_batches, t.batch_size, t.seq_len)]
 
-    def _batch(self, stream, step: int, seed: int) -> dict[str, np.ndarray]:
+    def _batch(self, stream, step: int, seed: int, rows=None) -> dict[str, np.ndarray]:
         t = self.experiment.train
-        return {"tokens": stream.batch(step, t.batch_size, t.seq_len, seed=seed)}
+        return {"tokens": stream.batch(step, t.batch_size, t.seq_len, seed=seed, rows=rows)}
 
 
 class MaskedFeed(TextFeed):
@@ -77,11 +82,12 @@ class MaskedFeed(TextFeed):
         return [self._batch(self.val_stream, i, t.seed + _VALIDATION_SEED_OFFSET)
                 for i in range(t.eval_batches)]
 
-    def _batch(self, stream, step: int, seed: int) -> dict[str, np.ndarray]:
+    def _batch(self, stream, step: int, seed: int, rows=None) -> dict[str, np.ndarray]:
         t = self.experiment.train
         ids = {n: self.tokenizer.token_id(f"[{n.upper()}]") for n in ("cls", "sep", "pad")}
-        return mlm_batch(stream, step, t.batch_size, t.seq_len, seed=seed,
-                         cls_id=ids["cls"], sep_id=ids["sep"], pad_id=ids["pad"])
+        batch = mlm_batch(stream, step, t.batch_size, t.seq_len, seed=seed,
+                          cls_id=ids["cls"], sep_id=ids["sep"], pad_id=ids["pad"])
+        return batch if rows is None else {k: v[rows[0]:rows[1]] for k, v in batch.items()}
 
 
 class TaskFeed:

@@ -184,6 +184,16 @@ class Trainer:
                    for i, batch in enumerate(self.feed.validation())]
         return finish_eval(results)
 
+    def train_batch(self, step: int):
+        """Training batch `step` on the devices. In a multi-process run each process builds
+        only its own rows where its feed can (`reads_rows`: token shards read only their
+        windows), else its rows of the global batch."""
+        if self.batch_sharding is None or jax.process_count() == 1 or \
+                not getattr(self.feed, "reads_rows", False):
+            return self._device(self.feed.train(step))
+        rows = parallel.process_row_range(self.experiment.train.batch_size, self.batch_sharding)
+        return parallel.global_batch(self.feed.train(step, rows=rows), self.batch_sharding)
+
     def _device(self, batch: dict):
         """A numpy batch (the same in every process) -> device arrays, sharded by rows."""
         if self.batch_sharding is None:
@@ -234,7 +244,7 @@ def _run(trainer: Trainer, *, progress: bool) -> TrainResult:
         clock.reset(start)
         for step in range(start + 1, t.steps + 1):
             trainer.state, metrics = trainer.train_step(
-                trainer.state, trainer._device(trainer.feed.train(step - 1)))
+                trainer.state, trainer.train_batch(step - 1))
             bar.update()
             trainer.checkpoints.check()  # a failed background save stops the run at once
             stopping = stop.signum is not None  # read once: a later signal must still save

@@ -67,6 +67,7 @@ class PackedTextFeed(TextFeed):
     [B, seq_len + 1] (tfx.train.packed_losses.packed_causal_lm reads them)."""
 
     names = ("tokens", "segment_ids", "positions")
+    reads_rows = False  # rows are drawn from the packing, in memory
 
     def __init__(self, experiment: Experiment):
         self.experiment = experiment

@@ -227,29 +227,8 @@ class ShardStream:
                 done, shard = done + len(piece), shard + 1
         return out
 
-    def batch_starts(self, step: int, batch_size: int, seq_len: int, *, seed: int) -> np.ndarray:
-        """int64 [batch_size]: the window starts of training batch `step`, drawn exactly as
-        `TokenStream.batch` draws them."""
-        step, seed = _data._check_int("step", step, 0), _data._check_int("seed", seed, 0)
-        batch_size = _data._check_int("batch_size", batch_size, 1)
-        width = _data._check_int("seq_len", seq_len, 1) + 1
-        rng = np.random.default_rng([seed, step])
-        return rng.integers(0, max(len(self) - width, 0) + 1, batch_size)
-
-    def batch(self, step: int, batch_size: int, seq_len: int, *, seed: int,
-              rows: tuple[int, int] | None = None) -> np.ndarray:
-        """Training batch `step`: int32 [batch_size, seq_len + 1], equal to `TokenStream.batch`
-        on the same tokens. With `rows=(start, stop)`, only those rows, int32
-        [stop - start, seq_len + 1], and only their windows are read: each process of a
-        multi-process run reads its own (`tfx.parallel.process_row_range`, `even_row_range`)."""
-        starts = self.batch_starts(step, batch_size, seq_len, seed=seed)
-        if rows is not None:
-            if not 0 <= rows[0] <= rows[1] <= batch_size:
-                raise ValueError(f"rows must be (start, stop) with 0 <= start <= stop <= "
-                                 f"batch_size ({batch_size}), got {rows}")
-            starts = starts[rows[0]:rows[1]]
-        return self.windows(starts, seq_len + 1)
-
-    # The evenly spaced validation windows: TokenStream's own function (it only calls len and
-    # windows), so validation batches match too.
+    # The training and validation windows: TokenStream's own functions (they only call len and
+    # windows), so the batches match too, and `batch(rows=)` reads only those rows' windows.
+    batch_starts = TokenStream.batch_starts
+    batch = TokenStream.batch
     eval_batches = TokenStream.eval_batches
