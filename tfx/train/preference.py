@@ -22,7 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from tfx.peft.switch import adapters_off
-from tfx.train.sft_feed import chat_tokenizer, data_source, split_examples, warn_skipped
+from tfx.train.sft_feed import (
+    ExampleFeed,
+    chat_tokenizer,
+    data_source,
+    split_examples,
+    warn_skipped,
+)
 
 if TYPE_CHECKING:
     from tfx.train.config import Experiment
@@ -197,7 +203,7 @@ def _check_beta_and_smoothing(beta: float, label_smoothing: float) -> None:
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
 
 
-class PreferenceFeed:
+class PreferenceFeed(ExampleFeed):
     """Batches of preference pairs (objective dpo) from a JSONL file of {"prompt", "chosen",
     "rejected"} lines (`tfx.train.instructions.read_preference`): {"chosen", "rejected" int32,
     "chosen_mask", "rejected_mask" bool} [B, seq_len + 1] as `dpo_loss` reads them, rows
@@ -235,29 +241,13 @@ class PreferenceFeed:
         return pairs
 
     @property
-    def pad_id(self) -> int:
-        t = self.tokenizer
-        return next((i for i in (t.pad_id, t.eos_id) if i is not None), 0)
-
-    @property
     def tokens_per_batch(self) -> int:
         """Input tokens the model reads per training batch (chosen and rejected rows)."""
         t = self.experiment.train
         return 2 * t.batch_size * t.seq_len
 
-    def train(self, step: int) -> dict[str, np.ndarray]:
-        """Training batch number `step` (the same on every run with this seed)."""
-        t = self.experiment.train
-        picked = np.random.default_rng([t.seed, step]).integers(0, len(self.pairs["train"]),
-                                                                t.batch_size)
-        return self._batch("train", picked)
-
-    def validation(self) -> list[dict[str, np.ndarray]]:
-        """train.eval_batches batches of evenly spaced held-out pairs (no randomness)."""
-        t = self.experiment.train
-        picked = np.round(np.linspace(0, len(self.pairs["val"]) - 1,
-                                      t.eval_batches * t.batch_size)).astype(int)
-        return [self._batch("val", rows) for rows in picked.reshape(t.eval_batches, -1)]
+    def _count(self, split: str) -> int:
+        return len(self.pairs[split])
 
     def precompute_reference(self, score: Callable[[dict], tuple]) -> None:
         """Score every pair once with the reference (the frozen starting model, for full

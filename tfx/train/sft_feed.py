@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from tfx.train.config import Experiment
     from tfx.train.instructions import Example
 
-__all__ = ["PackedSftFeed", "SftFeed", "split_examples"]
+__all__ = ["ExampleFeed", "PackedSftFeed", "SftFeed", "split_examples"]
 
 
 def split_examples(examples: Sequence, val_fraction: float) -> tuple[list, list]:
@@ -76,7 +76,34 @@ def warn_skipped(skipped: int, source: str) -> None:
                       UserWarning, stacklevel=3)
 
 
-class SftFeed:
+class ExampleFeed:
+    """What the JSONL feeds share (sft examples, dpo pairs): examples held per split, a
+    subclass's `_count(split)` and `_batch(split, picked)`. Training batch k draws
+    train.batch_size of them with `default_rng([seed, k])`; the validation batches are evenly
+    spaced held-out ones (no randomness)."""
+
+    @property
+    def pad_id(self) -> int:
+        """The padding token: the tokenizer's pad id, else its EOS, else 0."""
+        t = self.tokenizer
+        return next((i for i in (t.pad_id, t.eos_id) if i is not None), 0)
+
+    def train(self, step: int) -> dict[str, np.ndarray]:
+        """Training batch number `step` (the same on every run with this seed)."""
+        t = self.experiment.train
+        picked = np.random.default_rng([t.seed, step]).integers(0, self._count("train"),
+                                                                t.batch_size)
+        return self._batch("train", picked)
+
+    def validation(self) -> list[dict[str, np.ndarray]]:
+        """train.eval_batches batches of evenly spaced held-out rows (no randomness)."""
+        t = self.experiment.train
+        picked = np.round(np.linspace(0, self._count("val") - 1, t.eval_batches * t.batch_size))
+        return [self._batch("val", rows) for rows in
+                picked.astype(int).reshape(t.eval_batches, t.batch_size)]
+
+
+class SftFeed(ExampleFeed):
     """{"tokens" int32, "loss_mask" bool} [B, seq_len + 1]: one example per row, padded on the
     right with the tokenizer's pad id (its EOS, else 0) and a False mask
     (tfx.train.losses.supervised reads them)."""
@@ -100,28 +127,9 @@ class SftFeed:
         return chat_tokenizer(experiment, "sft")
 
     @property
-    def pad_id(self) -> int:
-        t = self.tokenizer
-        return next((i for i in (t.pad_id, t.eos_id) if i is not None), 0)
-
-    @property
     def tokens_per_batch(self) -> int:
         """Input tokens the model reads per training batch (for tokens/s)."""
         return self.experiment.train.batch_size * self.experiment.train.seq_len
-
-    def train(self, step: int) -> dict[str, np.ndarray]:
-        """Training batch number `step`: examples drawn with `default_rng([seed, step])`."""
-        t = self.experiment.train
-        picked = np.random.default_rng([t.seed, step]).integers(0, self._count("train"),
-                                                                t.batch_size)
-        return self._batch("train", picked)
-
-    def validation(self) -> list[dict[str, np.ndarray]]:
-        """train.eval_batches batches of evenly spaced held-out rows (no randomness)."""
-        t = self.experiment.train
-        picked = np.round(np.linspace(0, self._count("val") - 1, t.eval_batches * t.batch_size))
-        return [self._batch("val", rows) for rows in
-                picked.astype(int).reshape(t.eval_batches, t.batch_size)]
 
     def _count(self, split: str) -> int:
         return len(self.train_examples if split == "train" else self.val_examples)
