@@ -236,3 +236,17 @@ def test_model_options_that_the_folder_fixes_are_refused(folder, chats, tmp_path
     status = main(_train_args(tmp_path / "w", folder, chats, "--model.num-layers=1"))
     assert status == 2 and "model.num_layers cannot be set" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
+
+
+def test_a_lora_step_compiles_once(folder, chats, tmp_path):
+    # The starting state is committed to the device as the step's outputs are; an
+    # uncommitted one compiled the step again at step 2 (benchmarks/finetune.py found it).
+    experiment = from_pretrained(folder, "sft", data=str(chats), peft="lora",
+                                 train={"batch_size": 2, "seq_len": 64})
+    trainer = tfx.train.Trainer(experiment, tmp_path / "w")
+    try:
+        for step in range(3):
+            trainer.state, _ = trainer.train_step(trainer.state, trainer.train_batch(step))
+        assert trainer.train_step._cache_size() == 1
+    finally:
+        trainer.close()

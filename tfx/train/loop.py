@@ -145,6 +145,10 @@ class Trainer:
             self.state_sharding = parallel.state_shardings(self.state, mesh)
             self.batch_sharding = parallel.batch_sharding(mesh)
             self.state = parallel.shard(self.state, self.state_sharding)
+        else:
+            # Committed to the device, as the step's outputs are: a state of uncommitted arrays
+            # (a LoRA run's new factors) would compile the step a second time at step 2.
+            self.state = jax.device_put(self.state, jax.devices()[0])
         loss = self.objective.loss(experiment)
         self.train_step = make_train_step(self.graphdef, self.rest, self.optimizer, loss,
                                           grad_accum=t.grad_accum,
