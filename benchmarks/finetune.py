@@ -22,9 +22,9 @@ pad_to_multiple_of = seq-len), so both read batch x seq-len tokens a step (dpo: 
   entropy and top-1 accuracy each step. dpo on both sides: one forward of the 2B chosen and
   rejected rows with gradient, and one without, the adapters off (the reference).
 
-Each (objective, side, repeat) is one child process: build, --warmup steps (tfx's Trainer
-compiles its step on each of the first two: the initial state is uncommitted, the step's output
-committed), --steps timed steps. A step's time runs from the previous step's end
+Each (objective, side, repeat) is one child process: build, --warmup steps (the first compiles
+tfx's step: "tfx compiles" counts the compiles of every step, one since the starting state is
+committed to the device), --steps timed steps. A step's time runs from the previous step's end
 to its own (TRL: `TrainerCallback.on_step_end`), so batching and per-step bookkeeping count on
 both sides. A side's figure is the median over --repeats children of each child's median step;
 the sides alternate, the order flipped every repeat. Peak RSS: the child's `ru_maxrss` at the
@@ -318,7 +318,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="rows (dpo: pairs) per step")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=2,
-                        help="untimed steps per child (tfx compiles its step twice: >= 2)")
+                        help="untimed steps per child (>= 1: the first compiles)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per child")
     parser.add_argument("--repeats", type=int, default=3, help="child processes per side")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
