@@ -228,11 +228,6 @@ class PreferenceTuning(Objective):
         p = experiment.preference
         return {"beta": p.beta, "loss_type": p.loss, "simpo_gamma": p.simpo_gamma}
 
-    def _chosen_feed(self, experiment: Experiment) -> type:
-        from tfx.train.preference import PreferenceFeed
-
-        return PreferenceFeed
-
     def _feed(self) -> type:
         from tfx.train.preference import PreferenceFeed
 
