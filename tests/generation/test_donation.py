@@ -15,6 +15,7 @@ keys through a transposed copy). The paged engine's step, whose cache is donated
 copies no page pool at batch 1 (`tfx.ops._scatter`).
 """
 
+import functools
 import importlib
 import re
 
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from tfx.generation._paged_step import compile_step
+from tfx.generation._paged_step import RowSettings, compile_step
 from tfx.models import DecoderConfig, create
 from tfx.ops.paged import init_paged_cache
 
@@ -105,10 +106,13 @@ def test_paged_step_writes_the_pools_in_place(batch):
     heads, head_dim, pages, page_size = CONFIG.kv_heads, CONFIG.d_model // CONFIG.num_heads, 16, 8
     cache = init_paged_cache(num_layers=1, num_pages=pages, page_size=page_size, batch=batch,
                              pages_per_seq=8, num_kv_heads=heads, head_dim=head_dim)
+    zeros = functools.partial(jnp.zeros, (batch,))
+    rows = RowSettings(temperature=zeros(jnp.float32), top_k=zeros(jnp.int32),
+                       top_p=zeros(jnp.float32), keys=jnp.zeros((batch, 2), jnp.uint32),
+                       counts=zeros(jnp.int32), variants=zeros(jnp.int32))
     hlo = compile_step(graphdef).lower(
         state, cache, jnp.zeros((batch, 1), jnp.int32), jnp.ones((batch, 1), bool),
-        jnp.zeros((batch,), jnp.float32), jnp.zeros((batch, 2), jnp.uint32),
-        jnp.zeros((batch,), jnp.int32)).compile().as_text()
+        rows).compile().as_text()
     shapes = [_shape((heads, pages, page_size, head_dim)), _shape((heads, pages * page_size,
                                                                    head_dim))]
     assert shapes[0] in hlo  # the shapes looked for are the program's

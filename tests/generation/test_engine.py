@@ -52,13 +52,13 @@ def test_greedy_tokens_equal_generate_alone_under_random_arrivals(position, scan
     num_pages = max(needs) + 2
     assert num_pages < sum(needs)  # pages must be freed and reused
     engine = Engine(model, num_pages=num_pages, page_size=4, max_batch=3, chunk=8)
-    order, results = rng.permutation(len(prompts)), []
-    ids = {}
+    order, ids, stepped = rng.permutation(len(prompts)), {}, []
     for i in order:  # submitted between steps, in a random order
         ids[engine.submit(prompts[i], max_new_tokens=news[i], eos_token_id=eos[i])] = i
-        results += engine.step()
-    results += engine.run()
-    assert sorted(r.request_id for r in results) == list(range(len(prompts)))
+        stepped += engine.step()
+    results = engine.run()  # those the steps finished included, by request id
+    assert [r.request_id for r in results] == list(range(len(prompts)))
+    assert {r.request_id for r in stepped} < set(ids) and stepped
     for result in results:
         i = ids[result.request_id]
         np.testing.assert_array_equal(result.tokens, expected[i], err_msg=f"request {i}")

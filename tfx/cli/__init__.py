@@ -9,6 +9,7 @@
     tfx export --workdir DIR --to FOLDER [--merged True|False]
     tfx tokenize SOURCE ... --out DIR [--tokenizer FOLDER]
     tfx embed TEXT ... [--model FOLDER] [--output FILE.npy]
+    tfx serve PATH [--adapter NAME=DIR ...] [--host H] [--port P] [--max-batch B] [--pages N]
     tfx experiments
 
 One tyro parser (tfx.cli.commands) reads every command; `tfx train [EXPERIMENT] --help` lists
@@ -72,6 +73,10 @@ def _run(command) -> int:
         from tfx.cli.embed import embed
 
         return embed(command)
+    if isinstance(command, commands.Serve):
+        from tfx.cli.serving import serve
+
+        return serve(command)
     from tfx.cli import running
 
     handlers = {commands.Train: running.train, commands.Sample: running.sample,

@@ -18,7 +18,8 @@ from tfx.train.config import Experiment
 from tfx.train.experiments import DEFAULT_EXPERIMENT, EXPERIMENTS
 from tfx.train.overrides import switch_parts
 
-__all__ = ["Embed", "Eval", "Experiments", "Export", "Sample", "Tokenize", "Train", "parse"]
+__all__ = ["Embed", "Eval", "Experiments", "Export", "Sample", "Serve", "Tokenize", "Train",
+           "parse"]
 
 E = TypeVar("E")  # the experiments: subcommands whose defaults the command line adjusts
 
@@ -159,11 +160,41 @@ class Embed:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Serve:
+    """Serve a model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions,
+    /v1/models, /health) until Ctrl-C or SIGTERM (the serve extra)."""
+
+    path: tyro.conf.Positional[str]
+    """A tfx run's workdir or a Hugging Face folder."""
+    adapter: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """NAME=DIR: a LoRA adapter (a peft adapter folder or a tfx LoRA run) served as model NAME
+    beside the base; repeat for more. Requests for different adapters share each step."""
+    name: str | None = None
+    """The base model's id in /v1/models (default: the folder's name)."""
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 8000
+    """Port to listen on (0: a free one, printed)."""
+    max_batch: int = 16
+    """Requests decoded at once (rows of each step)."""
+    pages: int | None = None
+    """KV cache pages of --page-size tokens (default: enough for --max-batch full-length
+    requests)."""
+    page_size: int = 16
+    """Tokens per KV cache page."""
+    chunk: int = 64
+    """Prompt tokens a request prefills per step."""
+    max_len: int | None = None
+    """Longest sequence (prompt + new tokens) served (default: the model's max_len)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Experiments:
     """List the named experiments."""
 
 
-def parse(args: list[str]) -> Train | Sample | Eval | Export | Tokenize | Embed | Experiments:
+def parse(args: list[str]
+          ) -> Train | Sample | Eval | Export | Tokenize | Embed | Serve | Experiments:
     """The command that `args` (without the program name) spell. tyro prints help or an error
     (naming an unrecognised option and the similar ones) and exits 0 or 2."""
     args = _peft_alias(args)
@@ -181,6 +212,7 @@ def parse(args: list[str]) -> Train | Sample | Eval | Export | Tokenize | Embed 
         Annotated[Export, tyro.conf.subcommand("export", prefix_name=False)],
         Annotated[Tokenize, tyro.conf.subcommand("tokenize", prefix_name=False)],
         Annotated[Embed, tyro.conf.subcommand("embed", prefix_name=False)],
+        Annotated[Serve, tyro.conf.subcommand("serve", prefix_name=False)],
         Annotated[Experiments, tyro.conf.subcommand("experiments", prefix_name=False)]]
     return tyro.cli(commands, args=args, prog="tfx", use_underscores=True,
                     description="tfx: transformer building blocks and models for JAX and Flax "

@@ -3,6 +3,7 @@ running sequence (a chunk of prompt, or one decoded token), and the next token o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -10,23 +11,46 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfx.nn.variants import row_variants
 from tfx.ops.paged import PagedCache
-from tfx.ops.sampling import sample_logits
+from tfx.ops.sampling import filter_logits
 
-__all__ = ["compile_step", "paged_step"]
+__all__ = ["RowSettings", "compile_step", "paged_step"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowSettings:
+    """How each row of a step chooses its token, and which weights it runs with.
+
+    temperature: float32 [batch], 0 for greedy rows.
+    top_k: int32 [batch], the vocabulary size for rows without a top-k filter.
+    top_p: float32 [batch], 1 for rows without a nucleus filter.
+    keys: uint32 [batch, 2], each request's raw jax.random key (any value for greedy rows).
+    counts: int32 [batch], tokens each request generated so far: folded into its key, so a
+      request's samples do not depend on which others share its steps.
+    variants: int32 [batch], the weight variant of each row (`tfx.nn.row_variants`: e.g. its
+      LoRA adapter, 0 = the base weights); unused by a model without variants.
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    keys: jax.Array
+    counts: jax.Array
+    variants: jax.Array
 
 
 def compile_step(graphdef) -> Callable:
-    """`paged_step` for one model structure, jitted: `(state, cache, ids, valid, temperature,
-    keys, counts) -> (tokens, cache)`. The graphdef is closed over rather than passed as a
-    static argument, which jit would hash at every call (~1.6 ms a step for char-gpt). The
-    cache is donated: each step updates the pools in place instead of copying them."""
+    """`paged_step` for one model structure, jitted: `(state, cache, ids, valid, rows) ->
+    (tokens, logprobs, cache)`. The graphdef is closed over rather than passed as a static
+    argument, which jit would hash at every call (~1.6 ms a step for char-gpt). The cache is
+    donated: each step updates the pools in place instead of copying them."""
     return jax.jit(functools.partial(paged_step, graphdef), donate_argnames=("cache",))
 
 
 def paged_step(graphdef, state, cache: PagedCache, ids: jax.Array, valid: jax.Array,
-               temperature: jax.Array, keys: jax.Array,
-               counts: jax.Array) -> tuple[jax.Array, PagedCache]:
+               rows: RowSettings) -> tuple[jax.Array, jax.Array, PagedCache]:
     """Feed each row its tokens and choose its next token.
 
     Args:
@@ -34,22 +58,32 @@ def paged_step(graphdef, state, cache: PagedCache, ids: jax.Array, valid: jax.Ar
       cache: the PagedCache, its page table covering every fed token.
       ids: int32 [batch, width], each row's tokens left-aligned (padding anywhere after).
       valid: bool [batch, width], which are real; a row may feed none.
-      temperature: float32 [batch], 0 for greedy rows.
-      keys: uint32 [batch, 2], each request's raw jax.random key (any value for greedy rows).
-      counts: int32 [batch], tokens each request generated so far: folded into its key, so a
-        request's samples do not depend on which others share its steps.
+      rows: each row's sampling settings and weight variant.
     Returns:
       int32 [batch] tokens chosen from the logits after each row's last fed token (meaningless
-      for rows that fed none), and the updated cache.
+      for rows that fed none), float32 [batch] their log-probabilities under the model's
+      distribution (before temperature and filters), and the updated cache.
     """
     model = nnx.merge(graphdef, state)
-    hidden, cache = model.hidden_states(ids, attention_mask=valid, cache=cache)
-    last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
-    hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
-    logits = model.logits(hidden)[:, 0]
+    with row_variants(rows.variants):
+        hidden, cache = model.hidden_states(ids, attention_mask=valid, cache=cache)
+        last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
+        hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
+        logits = model.logits(hidden)[:, 0].astype(jnp.float32)
+    tokens = jax.vmap(_choose)(logits, rows.keys, rows.counts, rows.temperature, rows.top_k,
+                               rows.top_p)
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], axis=1)[:, 0]
+    return tokens, logprobs, cache
 
-    def choose(row_logits, key, count, row_temperature):
-        key = jax.random.fold_in(jax.random.wrap_key_data(key), count)
-        return sample_logits(row_logits[None], key, temperature=row_temperature)[0]
 
-    return jax.vmap(choose)(logits, keys, counts, temperature), cache
+def _choose(logits, key, count, temperature, top_k, top_p) -> jax.Array:
+    """One row's token from float32 [vocab] logits: argmax when greedy, else a draw from
+    softmax(logits / temperature) within its top-k and nucleus."""
+    key = jax.random.fold_in(jax.random.wrap_key_data(key), count)
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+    # top_p = 1 must keep every token: the cumulative sum may round below 1 before the last
+    # one, so "off" is passed as 2 (never reached)
+    filtered = filter_logits(scaled[None], top_k=top_k,
+                             top_p=jnp.where(top_p < 1.0, top_p, 2.0))[0]
+    sampled = jax.random.categorical(key, filtered).astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, jnp.argmax(logits).astype(jnp.int32))

@@ -31,8 +31,9 @@ import numpy as np
 from flax import nnx
 
 from tfx.generation._inputs import integer, prompt_and_mask, real, token_ids
-from tfx.generation._paged_step import compile_step
+from tfx.generation._paged_step import RowSettings, compile_step
 from tfx.generation.pages import PageAllocator
+from tfx.generation.requests import Request, Result, key_data
 from tfx.models.block import dtypes
 from tfx.models.decoder import Decoder
 from tfx.ops.paged import init_paged_cache
@@ -40,46 +41,6 @@ from tfx.ops.paged import init_paged_cache
 __all__ = ["Engine", "Result"]
 
 PAGED_POSITIONS = ("rope", "learned", "sinusoidal", "none")
-
-
-@dataclasses.dataclass(frozen=True)
-class Result:
-    """A finished request.
-
-    request_id: the id `Engine.submit` returned.
-    tokens: int32 [n] new tokens, EOS included when it ended the request.
-    finish_reason: "eos" or "length" (max_new_tokens reached).
-    """
-
-    request_id: int
-    tokens: np.ndarray
-    finish_reason: str
-
-
-@dataclasses.dataclass
-class _Request:
-    """A request's host-side state; `fed` counts prompt tokens already in the cache."""
-
-    id: int
-    prompt: np.ndarray
-    max_new_tokens: int
-    eos: list[int]
-    temperature: float
-    key: np.ndarray
-    pages: list[int] = dataclasses.field(default_factory=list)
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    fed: int = 0
-
-    def feed(self, width: int) -> np.ndarray:
-        """The tokens this step brings: the next prompt chunk, or the last new token."""
-        if self.fed < len(self.prompt):
-            return self.prompt[self.fed:self.fed + width]
-        return np.asarray(self.tokens[-1:], np.int32)
-
-    def finish_reason(self) -> str | None:
-        if self.tokens and self.tokens[-1] in self.eos:
-            return "eos"
-        return "length" if len(self.tokens) == self.max_new_tokens else None
 
 
 class Engine:
@@ -90,6 +51,9 @@ class Engine:
     >>> results = engine.run()            # or engine.step() between submissions
     >>> results[0].tokens, results[0].finish_reason
 
+    A finished request's `Result` is kept until `run()` returns it or `pop_result(id)` takes
+    it, whichever `step()` finished it; `cancel(id)` drops a request at once, its pages freed.
+
     Args:
       model: a `tfx.models.Decoder` with rotary, learned, sinusoidal or no positions, no
         sliding window, attention pattern, latent attention or leading vectors.
@@ -98,14 +62,18 @@ class Engine:
       max_batch: requests running at once (rows of each step), int >= 1.
       chunk: prompt tokens a request prefills per step, int >= 1.
       dtype: of the pool (default: the model's compute dtype, float32 if unset).
+      variants: weight variants the model holds (`tfx.nn.row_variants`, e.g. LoRA adapters
+        attached with `tfx.peft.multi_lora`, 0 = the base weights): a request's `variant` is
+        below this; 1 for a plain model.
     """
 
     def __init__(self, model: Decoder, *, num_pages: int, page_size: int = 16,
-                 max_batch: int = 8, chunk: int = 64, dtype=None):
+                 max_batch: int = 8, chunk: int = 64, dtype=None, variants: int = 1):
         _check_model(model)
         config = model.config
         self.page_size = integer("page_size", page_size)
         self.max_batch, self.chunk = integer("max_batch", max_batch), integer("chunk", chunk)
+        self.variants = integer("variants", variants)
         self.allocator = PageAllocator(integer("num_pages", num_pages))
         self.config, self.max_len = config, config.max_len
         pages_per_seq = math.ceil(self.max_len / self.page_size)
@@ -119,8 +87,9 @@ class Engine:
             stacked=config.compute.scan_layers)
         self._page_table = np.full((self.max_batch, pages_per_seq), -1, np.int32)
         self._next_position = np.zeros(self.max_batch, np.int32)
-        self._rows: list[_Request | None] = [None] * self.max_batch
-        self._waiting: collections.deque[_Request] = collections.deque()
+        self._rows: list[Request | None] = [None] * self.max_batch
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._finished: dict[int, Result] = {}
         self._next_id = 0
 
     @property
@@ -140,7 +109,8 @@ class Engine:
         return len(self._waiting) + sum(row is not None for row in self._rows)
 
     def submit(self, prompt, *, max_new_tokens: int, eos_token_id=None,
-               temperature: float = 0.0, rng: jax.Array | None = None) -> int:
+               temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+               rng: jax.Array | None = None, variant: int = 0) -> int:
         """Queue a request; it joins the running batch at a later `step`.
 
         Args:
@@ -148,7 +118,10 @@ class Engine:
           max_new_tokens: int >= 1; prompt_len + max_new_tokens <= the model's max_len.
           eos_token_id: token id(s) that end the request (included in its tokens), or None.
           temperature: 0.0 greedy; > 0 samples from softmax(logits / temperature).
+          top_k: sample among the k most likely tokens (int >= 1), or None.
+          top_p: sample within the nucleus of probability top_p (in (0, 1]), or None.
           rng: a jax.random key (typed, or raw uint32 [2]), required when temperature > 0.
+          variant: the weight variant of the request, in [0, variants).
         Returns:
           the request id (0, 1, 2, ... in submission order).
         Raises:
@@ -166,9 +139,12 @@ class Engine:
         if ids.shape[1] + max_new_tokens > self.max_len:
             raise ValueError(f"prompt ({ids.shape[1]} tokens) + max_new_tokens "
                              f"({max_new_tokens}) exceeds the model's max_len ({self.max_len})")
-        request = _Request(self._next_id, ids[0].astype(np.int32), max_new_tokens,
-                           token_ids("eos_token_id", eos_token_id, config.vocab_size),
-                           temperature, _key_data(rng, temperature))
+        request = Request(
+            self._next_id, ids[0].astype(np.int32), max_new_tokens,
+            token_ids("eos_token_id", eos_token_id, config.vocab_size), temperature,
+            config.vocab_size if top_k is None else integer("top_k", top_k),
+            1.0 if top_p is None else real("top_p", top_p, low=0.0, high=1.0, open_low=True),
+            key_data(rng, temperature), self._variant(variant))
         if self._pages_needed(request) > self.allocator.num_pages:
             raise ValueError(f"the request needs {self._pages_needed(request)} pages of "
                              f"{self.page_size} tokens, more than the pool's num_pages "
@@ -190,41 +166,67 @@ class Engine:
         for row, request in running:
             tokens = request.feed(width)
             ids[row, :len(tokens)], fed[row] = tokens, len(tokens)
-        chosen = self._call(ids, fed, running)
+        chosen, logprobs = self._call(ids, fed, running)
         self._next_position += fed
         finished = []
         for row, request in running:
             request.fed = min(request.fed + int(fed[row]), len(request.prompt))
             if request.fed == len(request.prompt):  # prompt done: the token is a new one
                 request.tokens.append(int(chosen[row]))
+                request.logprobs.append(float(logprobs[row]))
             if (reason := request.finish_reason()) is not None:
                 finished.append(self._retire(row, request, reason))
+        self._finished.update((result.request_id, result) for result in finished)
         return finished
 
     def run(self, *, progress: bool = False) -> list[Result]:
-        """Step until every submitted request has finished; their results by request id.
+        """Step until every submitted request has finished; every result not taken yet (those
+        that earlier `step()` calls finished included), by request id.
         progress: show a tqdm bar of finished requests."""
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
+        self._step_until(lambda: not self.num_pending, progress)
+        results = sorted(self._finished.values(), key=lambda result: result.request_id)
+        self._finished.clear()
+        return results
 
-            bar = tqdm(total=self.num_pending, unit="request")
-        results = []
-        while self.num_pending:
-            done = self.step()
-            results.extend(done)
-            if bar is not None:
-                bar.update(len(done))
-        if bar is not None:
-            bar.close()
-        return sorted(results, key=lambda result: result.request_id)
+    def pop_result(self, request_id: int) -> Result:
+        """Take the result of a finished request (ValueError if it has not finished, or was
+        taken or cancelled)."""
+        if request_id not in self._finished:
+            raise ValueError(f"request {request_id!r} has no result to take (not finished, "
+                             "already taken, cancelled or never submitted)")
+        return self._finished.pop(request_id)
+
+    def tokens_so_far(self, request_id: int) -> tuple[list[int], list[float]]:
+        """(new tokens, their log-probabilities) of a waiting or running request: what a
+        streaming client has not been sent yet is the tail."""
+        request = self._find(request_id)
+        if request is None:
+            raise ValueError(f"request {request_id!r} is not waiting or running")
+        return list(request.tokens), list(request.logprobs)
+
+    def cancel(self, request_id: int) -> bool:
+        """Drop a request (waiting, running or finished and not taken): its pages are free at
+        once and no result is kept. Returns False when there was nothing to drop."""
+        if self._finished.pop(request_id, None) is not None:
+            return True
+        for request in self._waiting:
+            if request.id == request_id:
+                self._waiting.remove(request)
+                return True
+        for row, request in enumerate(self._rows):
+            if request is not None and request.id == request_id:
+                self._retire(row, request, "cancelled")
+                return True
+        return False
 
     def generate(self, prompts, *, max_new_tokens, eos_token_id=None, temperature: float = 0.0,
-                 rng: jax.Array | None = None, progress: bool = False) -> list[Result]:
+                 rng: jax.Array | None = None, progress: bool = False,
+                 **settings) -> list[Result]:
         """Submit `prompts` (a list of id sequences) and run them all; results in prompt order.
 
         max_new_tokens: one int for all, or one per prompt. rng: one key, split per prompt
-        (required when temperature > 0). Other arguments as in `submit`."""
+        (required when temperature > 0). Other arguments (and `settings`: top_k, top_p,
+        variant) as in `submit`."""
         if not isinstance(prompts, list | tuple) or not prompts:
             raise ValueError("prompts must be a non-empty list of token id sequences")
         counts = ([max_new_tokens] * len(prompts) if np.ndim(max_new_tokens) == 0
@@ -234,12 +236,38 @@ class Engine:
                              "prompts")
         keys = [None] * len(prompts) if rng is None else list(jax.random.split(rng, len(prompts)))
         ids = [self.submit(prompt, max_new_tokens=count, eos_token_id=eos_token_id,
-                           temperature=temperature, rng=key)
+                           temperature=temperature, rng=key, **settings)
                for prompt, count, key in zip(prompts, counts, keys, strict=True)]
-        mine = set(ids)
-        return [r for r in self.run(progress=progress) if r.request_id in mine]
+        self._step_until(lambda: all(i in self._finished for i in ids), progress)
+        return [self.pop_result(request_id) for request_id in ids]
 
-    def _pages_needed(self, request: _Request) -> int:
+    def _step_until(self, done, progress: bool) -> None:
+        """Step until `done()`; with `progress`, a tqdm bar of the requests that finish."""
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=self.num_pending, unit="request")
+        while not done():
+            finished = self.step()
+            if bar is not None:
+                bar.update(len(finished))
+        if bar is not None:
+            bar.close()
+
+    def _variant(self, variant) -> int:
+        if isinstance(variant, bool) or not isinstance(variant, int | np.integer) \
+                or not 0 <= variant < self.variants:
+            raise ValueError(f"variant must be an int in [0, {self.variants}) (the engine's "
+                             f"variants), got {variant!r}")
+        return int(variant)
+
+    def _find(self, request_id: int) -> Request | None:
+        running = (request for request in self._rows if request is not None)
+        return next((request for request in (*self._waiting, *running)
+                     if request.id == request_id), None)
+
+    def _pages_needed(self, request: Request) -> int:
         return math.ceil((len(request.prompt) + request.max_new_tokens - 1) / self.page_size)
 
     def _admit(self) -> None:
@@ -257,28 +285,33 @@ class Engine:
             self._page_table[row, :len(request.pages)] = request.pages
             self._rows[row] = request
 
-    def _call(self, ids: np.ndarray, fed: np.ndarray, running) -> np.ndarray:
-        """The compiled step on this step's tokens; the token chosen for each row."""
-        temperature = np.zeros(self.max_batch, np.float32)
+    def _call(self, ids: np.ndarray, fed: np.ndarray, running) -> tuple[np.ndarray, np.ndarray]:
+        """The compiled step on this step's tokens; each row's chosen token and its
+        log-probability."""
+        settings = {name: np.zeros(self.max_batch, dtype) for name, dtype in (
+            ("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32),
+            ("counts", np.int32), ("variants", np.int32))}
         keys = np.zeros((self.max_batch, 2), np.uint32)
-        counts = np.zeros(self.max_batch, np.int32)
         for row, request in running:
-            temperature[row], keys[row] = request.temperature, request.key
-            counts[row] = len(request.tokens)
+            for name, value in (("temperature", request.temperature), ("top_k", request.top_k),
+                                ("top_p", request.top_p), ("counts", len(request.tokens)),
+                                ("variants", request.variant)):
+                settings[name][row] = value
+            keys[row] = request.key
         cache = dataclasses.replace(self._cache, page_table=self._page_table.copy(),
                                     next_position=self._next_position.copy())
         valid = np.arange(ids.shape[1])[None, :] < fed[:, None]
-        chosen, self._cache = self._step(self._state, cache, ids, valid, temperature, keys,
-                                         counts)
-        return np.asarray(chosen)
+        chosen, logprobs, self._cache = self._step(self._state, cache, ids, valid,
+                                                   RowSettings(keys=keys, **settings))
+        return np.asarray(chosen), np.asarray(logprobs)
 
-    def _retire(self, row: int, request: _Request, reason: str) -> Result:
-        """Free a finished request's row and pages."""
+    def _retire(self, row: int, request: Request, reason: str) -> Result:
+        """Free a finished (or cancelled) request's row and pages."""
         self.allocator.release(request.pages)
         self._page_table[row] = -1
         self._next_position[row] = 0
         self._rows[row] = None
-        return Result(request.id, np.asarray(request.tokens, np.int32), reason)
+        return request.result(reason)
 
 
 def _check_model(model) -> None:
@@ -302,18 +335,3 @@ def _check_model(model) -> None:
         raise ValueError("the paged cache cannot serve this model: it has "
                          + ", ".join(problems))
 
-
-def _key_data(rng, temperature: float) -> np.ndarray:
-    """A request's key as raw uint32 [2] (zeros for a greedy request without one)."""
-    if rng is None:
-        if temperature > 0:
-            raise ValueError("rng must be a jax.random key when temperature > 0 "
-                             "(temperature=0.0 decodes greedily)")
-        return np.zeros(2, np.uint32)
-    if jnp.issubdtype(getattr(rng, "dtype", None), jax.dtypes.prng_key):
-        rng = jax.random.key_data(rng)
-    data = np.asarray(rng)
-    if data.shape != (2,) or data.dtype != np.uint32:
-        raise ValueError(f"rng must be a jax.random key (threefry, raw uint32 [2]), got "
-                         f"{getattr(rng, 'shape', rng)!r}")
-    return data

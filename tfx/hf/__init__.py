@@ -18,6 +18,9 @@ tensor on its device(s) as it is read, sharded on a mesh when there is one
 (`tfx.hf.streaming`); `save` gathers one output file's parameters to the host at a time and
 writes several files with an index past `max_shard_size` (`tfx.hf.saving`). Host memory stays
 about the size of the parameters.
+
+peft LoRA adapters: `load_peft_adapter(folder, model)` reads one as `tfx.peft.lora.LoRAWeights`
+(`tfx.hf.peft_import`); `tfx.hf.peft_adapter.save_peft_adapter` writes one.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from flax import nnx
 
 from tfx.hf import io, plan, saving, streaming
 
-__all__ = ["SUPPORTED", "folder_config", "is_checkpoint_folder", "load", "save"]
+__all__ = ["SUPPORTED", "folder_config", "is_checkpoint_folder", "load", "load_peft_adapter",
+           "save"]
 
 
 def _families() -> dict:
@@ -37,9 +41,13 @@ def _families() -> dict:
     return by_architecture()
 
 
-def __getattr__(name):  # SUPPORTED is computed lazily to keep imports light
+def __getattr__(name):  # SUPPORTED and the peft reader come lazily to keep imports light
     if name == "SUPPORTED":
         return tuple(sorted(_families()))
+    if name == "load_peft_adapter":
+        from tfx.hf.peft_import import load_peft_adapter
+
+        return load_peft_adapter
     raise AttributeError(name)
 
 
