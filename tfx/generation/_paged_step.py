@@ -70,20 +70,30 @@ def paged_step(graphdef, state, cache: PagedCache, ids: jax.Array, valid: jax.Ar
         last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
         hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
         logits = model.logits(hidden)[:, 0].astype(jnp.float32)
-    tokens = jax.vmap(_choose)(logits, rows.keys, rows.counts, rows.temperature, rows.top_k,
-                               rows.top_p)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # an all-greedy step skips the sampling, and a step without filters their sorts
+    tokens = jax.lax.cond(jnp.any(rows.temperature > 0), _sample, lambda *_: greedy, logits,
+                          rows)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], axis=1)[:, 0]
     return tokens, logprobs, cache
 
 
-def _choose(logits, key, count, temperature, top_k, top_p) -> jax.Array:
-    """One row's token from float32 [vocab] logits: argmax when greedy, else a draw from
-    softmax(logits / temperature) within its top-k and nucleus."""
-    key = jax.random.fold_in(jax.random.wrap_key_data(key), count)
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+def _sample(logits: jax.Array, rows: RowSettings) -> jax.Array:
+    """Each row's token from float32 [batch, vocab] logits: argmax for greedy rows, else a
+    draw from softmax(logits / temperature) within the row's top-k and nucleus."""
+    scaled = logits / jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
     # top_p = 1 must keep every token: the cumulative sum may round below 1 before the last
     # one, so "off" is passed as 2 (never reached)
-    filtered = filter_logits(scaled[None], top_k=top_k,
-                             top_p=jnp.where(top_p < 1.0, top_p, 2.0))[0]
-    sampled = jax.random.categorical(key, filtered).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, jnp.argmax(logits).astype(jnp.int32))
+    top_p = jnp.where(rows.top_p < 1.0, rows.top_p, 2.0)
+    filtered = jax.lax.cond(
+        jnp.any(rows.top_k < logits.shape[-1]) | jnp.any(top_p < 1.0),
+        lambda: jax.vmap(lambda row, k, p: filter_logits(row[None], top_k=k, top_p=p)[0])(
+            scaled, rows.top_k, top_p),
+        lambda: scaled)
+
+    def draw(row, key, count):
+        key = jax.random.fold_in(jax.random.wrap_key_data(key), count)
+        return jax.random.categorical(key, row).astype(jnp.int32)
+
+    sampled = jax.vmap(draw)(filtered, rows.keys, rows.counts)
+    return jnp.where(rows.temperature > 0, sampled, jnp.argmax(logits, -1).astype(jnp.int32))

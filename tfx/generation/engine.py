@@ -3,11 +3,12 @@
 `tfx.generate` runs a fixed batch to its longest request: rows that finished early idle, and a
 new request waits for the whole batch. The engine instead keeps up to `max_batch` requests
 running and schedules every step on the host: a finished request leaves at once (its pages go
-back to the free list) and a waiting one takes its row. Each step is one compiled call
-(`tfx.generation._paged_step.paged_step`) of shape [max_batch, chunk] in which running requests
-decode one token and newly admitted ones prefill up to `chunk` prompt tokens (chunked prefill:
-a longer prompt takes several steps, beside the others' decoding); a step with no prefill uses
-the [max_batch, 1] program. So the engine compiles twice, whatever the requests.
+back to the free list) and a waiting one takes its row. A step makes up to two compiled calls
+(`tfx.generation._paged_step.paged_step`) over the shared page pools: up to `prefill_rows`
+requests still reading their prompt feed their next `chunk` prompt tokens ([prefill_rows,
+chunk]: chunked prefill, a longer prompt takes several steps), and every other running request
+decodes one token ([max_batch, 1]). Decoding rows never pay for the prefill's width, and a
+prompt never waits for the decoders. So the engine compiles twice, whatever the requests.
 
 Memory: the pool holds `num_pages` pages of `page_size` tokens per layer, shared by all
 requests; a request holds ceil((prompt + max_new_tokens - 1) / page_size) pages from admission
@@ -61,6 +62,8 @@ class Engine:
       page_size: tokens per page, int >= 1.
       max_batch: requests running at once (rows of each step), int >= 1.
       chunk: prompt tokens a request prefills per step, int >= 1.
+      prefill_rows: requests that prefill in one step, in [1, max_batch] (default
+        max_batch // 4, at least 1).
       dtype: of the pool (default: the model's compute dtype, float32 if unset).
       variants: weight variants the model holds (`tfx.nn.row_variants`, e.g. LoRA adapters
         attached with `tfx.peft.multi_lora`, 0 = the base weights): a request's `variant` is
@@ -68,11 +71,17 @@ class Engine:
     """
 
     def __init__(self, model: Decoder, *, num_pages: int, page_size: int = 16,
-                 max_batch: int = 8, chunk: int = 64, dtype=None, variants: int = 1):
+                 max_batch: int = 8, chunk: int = 64, prefill_rows: int | None = None,
+                 dtype=None, variants: int = 1):
         _check_model(model)
         config = model.config
         self.page_size = integer("page_size", page_size)
         self.max_batch, self.chunk = integer("max_batch", max_batch), integer("chunk", chunk)
+        self.prefill_rows = integer("prefill_rows", max(1, self.max_batch // 4)
+                                    if prefill_rows is None else prefill_rows)
+        if self.prefill_rows > self.max_batch:
+            raise ValueError(f"prefill_rows must be in [1, max_batch = {self.max_batch}], got "
+                             f"{prefill_rows}")
         self.variants = integer("variants", variants)
         self.allocator = PageAllocator(integer("num_pages", num_pages))
         self.config, self.max_len = config, config.max_len
@@ -154,28 +163,17 @@ class Engine:
         return request.id
 
     def step(self) -> list[Result]:
-        """Admit waiting requests that fit, run one compiled step, retire finished requests.
+        """Admit waiting requests that fit, prefill and decode once, retire finished requests.
         Returns the requests that finished in this step (none when nothing is running)."""
         self._admit()
         running = [(row, r) for row, r in enumerate(self._rows) if r is not None]
-        if not running:
-            return []
-        width = self.chunk if any(len(r.prompt) - r.fed > 1 for _, r in running) else 1
-        ids = np.zeros((self.max_batch, width), np.int32)
-        fed = np.zeros(self.max_batch, np.int32)
-        for row, request in running:
-            tokens = request.feed(width)
-            ids[row, :len(tokens)], fed[row] = tokens, len(tokens)
-        chosen, logprobs = self._call(ids, fed, running)
-        self._next_position += fed
+        prefilling = [(row, r) for row, r in running if len(r.prompt) - r.fed > 1]
+        decoding = [(row, r) for row, r in running if len(r.prompt) - r.fed <= 1]
         finished = []
-        for row, request in running:
-            request.fed = min(request.fed + int(fed[row]), len(request.prompt))
-            if request.fed == len(request.prompt):  # prompt done: the token is a new one
-                request.tokens.append(int(chosen[row]))
-                request.logprobs.append(float(logprobs[row]))
-            if (reason := request.finish_reason()) is not None:
-                finished.append(self._retire(row, request, reason))
+        if prefilling:
+            finished += self._feed(prefilling[:self.prefill_rows], self.prefill_rows, self.chunk)
+        if decoding:  # the last prompt token or the last new token
+            finished += self._feed(decoding, self.max_batch, 1)
         self._finished.update((result.request_id, result) for result in finished)
         return finished
 
@@ -285,21 +283,48 @@ class Engine:
             self._page_table[row, :len(request.pages)] = request.pages
             self._rows[row] = request
 
-    def _call(self, ids: np.ndarray, fed: np.ndarray, running) -> tuple[np.ndarray, np.ndarray]:
-        """The compiled step on this step's tokens; each row's chosen token and its
-        log-probability."""
-        settings = {name: np.zeros(self.max_batch, dtype) for name, dtype in (
+    def _feed(self, group: list[tuple[int, Request]], size: int, width: int) -> list[Result]:
+        """One compiled call of shape [size, width] for `group` (row, request), packed into its
+        first rows; each request takes its token once its prompt is read. Returns those that
+        finished."""
+        ids, fed = np.zeros((size, width), np.int32), np.zeros(size, np.int32)
+        rows = np.asarray([row for row, _ in group])
+        for slot, (_, request) in enumerate(group):
+            tokens = request.feed(width)
+            ids[slot, :len(tokens)], fed[slot] = tokens, len(tokens)
+        chosen, logprobs = self._call(ids, fed, rows, [request for _, request in group])
+        self._next_position[rows] += fed[:len(group)]
+        finished = []
+        for slot, (row, request) in enumerate(group):
+            request.fed = min(request.fed + int(fed[slot]), len(request.prompt))
+            if request.fed == len(request.prompt):  # prompt done: the token is a new one
+                request.tokens.append(int(chosen[slot]))
+                request.logprobs.append(float(logprobs[slot]))
+            if (reason := request.finish_reason()) is not None:
+                finished.append(self._retire(row, request, reason))
+        return finished
+
+    def _call(self, ids: np.ndarray, fed: np.ndarray, rows: np.ndarray,
+              requests: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+        """The compiled step on ids [size, width] of `requests` (in rows `rows` of the page
+        table, packed in that order); each slot's chosen token and its log-probability."""
+        size = ids.shape[0]
+        settings = {name: np.zeros(size, dtype) for name, dtype in (
             ("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32),
             ("counts", np.int32), ("variants", np.int32))}
-        keys = np.zeros((self.max_batch, 2), np.uint32)
-        for row, request in running:
+        keys = np.zeros((size, 2), np.uint32)
+        for slot, request in enumerate(requests):
             for name, value in (("temperature", request.temperature), ("top_k", request.top_k),
                                 ("top_p", request.top_p), ("counts", len(request.tokens)),
                                 ("variants", request.variant)):
-                settings[name][row] = value
-            keys[row] = request.key
-        cache = dataclasses.replace(self._cache, page_table=self._page_table.copy(),
-                                    next_position=self._next_position.copy())
+                settings[name][slot] = value
+            keys[slot] = request.key
+        page_table = np.full((size, self._page_table.shape[1]), -1, np.int32)
+        next_position = np.zeros(size, np.int32)
+        page_table[:len(rows)], next_position[:len(rows)] = (self._page_table[rows],
+                                                             self._next_position[rows])
+        cache = dataclasses.replace(self._cache, page_table=page_table,
+                                    next_position=next_position)
         valid = np.arange(ids.shape[1])[None, :] < fed[:, None]
         chosen, logprobs, self._cache = self._step(self._state, cache, ids, valid,
                                                    RowSettings(keys=keys, **settings))

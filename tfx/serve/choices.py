@@ -79,26 +79,36 @@ class Choices:
         sent = dict.fromkeys(self._ids, 0)
         try:
             while texts:
-                update = await self._listener.queue.get()
-                if update.request_id not in texts:
-                    continue
-                if update.error is not None:
-                    raise OpenAIError(503, update.error, kind="server_error")
-                text = texts[update.request_id]
-                new = text.update(update.tokens, final=update.finish_reason is not None)
-                reason = "stop" if text.stopped else FINISH_REASONS.get(update.finish_reason)
-                start, sent[update.request_id] = sent[update.request_id], len(update.tokens)
-                if reason is not None:
-                    del texts[update.request_id]
-                    self.completion_tokens += len(update.tokens)
-                    if text.stopped:
-                        self.worker.cancel([update.request_id])
-                if new or reason is not None or start < len(update.tokens):
-                    yield Delta(index[update.request_id], new, update.tokens[start:],
-                                update.logprobs[start:], reason)
+                for update in await self._latest():
+                    if update.request_id not in texts:
+                        continue
+                    if update.error is not None:
+                        raise OpenAIError(503, update.error, kind="server_error")
+                    text = texts[update.request_id]
+                    new = text.update(update.tokens, final=update.finish_reason is not None)
+                    reason = "stop" if text.stopped else FINISH_REASONS.get(update.finish_reason)
+                    if reason is not None:
+                        del texts[update.request_id]
+                        self.completion_tokens += len(update.tokens)
+                        if text.stopped:
+                            self.worker.cancel([update.request_id])
+                    if new or reason is not None:  # tokens held back go with the next text
+                        start, sent[update.request_id] = (sent[update.request_id],
+                                                          len(update.tokens))
+                        yield Delta(index[update.request_id], new, update.tokens[start:],
+                                    update.logprobs[start:], reason)
         finally:
             if texts:
                 self.worker.cancel(list(texts))
+
+
+    async def _latest(self) -> list:
+        """The newest update of each choice among those queued (waiting for one): a client
+        slower than the engine gets several tokens per chunk instead of a growing backlog."""
+        updates = [await self._listener.queue.get()]
+        while not self._listener.queue.empty():
+            updates.append(self._listener.queue.get_nowait())
+        return list({update.request_id: update for update in updates}.values())
 
 
 def _keys(body: Sampling) -> list[np.ndarray | None]:

@@ -3,8 +3,9 @@ request's listener what happened, while the HTTP handlers run on the asyncio loo
 
 Handlers never touch the engine. They post commands (submit, cancel) to a queue; between steps
 the worker applies them, so requests join and leave between steps. After each step it sends
-every listener its new tokens, and the result of each request that finished, through
-`loop.call_soon_threadsafe` onto the listener's asyncio queue.
+every listener its new tokens, and the result of each request that finished, onto the
+listeners' asyncio queues: one `loop.call_soon_threadsafe` per step, so the event loop wakes
+once a step, not once a token.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 
 from tfx.generation import Engine, Result
 
-__all__ = ["EngineWorker", "Listener", "Update"]
+__all__ = ["EngineWorker", "Listener", "Update", "deliver"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,15 +37,26 @@ class Update:
 
 
 class Listener:
-    """An asyncio queue of `Update`s that the worker thread may fill."""
+    """An asyncio queue of `Update`s that the worker thread fills (through `deliver`)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop, self.queue = loop, asyncio.Queue()
+        self.loop, self.queue = loop, asyncio.Queue()
 
-    def put(self, update: Update) -> None:
-        """Called on the worker thread."""
+
+def deliver(updates: list[tuple[Listener, Update]]) -> None:
+    """Hand a step's updates to their listeners: one wake-up of each event loop per step
+    (called on the worker thread), however many requests the step served."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for listener, update in updates:
+        by_loop.setdefault(listener.loop, []).append((listener.queue, update))
+    for loop, batch in by_loop.items():
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
-            self._loop.call_soon_threadsafe(self.queue.put_nowait, update)
+            loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _put_all(batch) -> None:
+    for queue_, update in batch:
+        queue_.put_nowait(update)
 
 
 class EngineWorker:
@@ -58,6 +70,7 @@ class EngineWorker:
         self.engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._listeners: dict[int, Listener] = {}
+        self._reported: dict[int, int] = {}  # tokens each listener has heard of
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tfx-engine", daemon=True)
 
@@ -96,6 +109,7 @@ class EngineWorker:
         def command():
             for request_id in request_ids:
                 self._listeners.pop(request_id, None)
+                self._reported.pop(request_id, None)
                 self.engine.cancel(request_id)
 
         self._commands.put(command)
@@ -133,18 +147,28 @@ class EngineWorker:
                 return
 
     def _report(self, finished: list[Result]) -> None:
+        """Tell each listener what changed in this step: new tokens, or the end."""
         done = {result.request_id for result in finished}
+        updates = []
         for request_id, listener in list(self._listeners.items()):
             if request_id in done:
                 result = self.engine.pop_result(request_id)
                 del self._listeners[request_id]
-                listener.put(Update(request_id, result.tokens.tolist(), result.logprobs.tolist(),
-                                    result.finish_reason))
-            else:
-                listener.put(Update(request_id, *self.engine.tokens_so_far(request_id)))
+                self._reported.pop(request_id, None)
+                updates.append((listener, Update(request_id, result.tokens.tolist(),
+                                                 result.logprobs.tolist(),
+                                                 result.finish_reason)))
+                continue
+            tokens, logprobs = self.engine.tokens_so_far(request_id)
+            if len(tokens) > self._reported.get(request_id, 0):  # prefill steps add none
+                self._reported[request_id] = len(tokens)
+                updates.append((listener, Update(request_id, tokens, logprobs)))
+        deliver(updates)
 
     def _fail_all(self, reason: str) -> None:
-        for request_id, listener in self._listeners.items():
+        for request_id in self._listeners:
             self.engine.cancel(request_id)
-            listener.put(Update(request_id, [], [], "error", reason))
+        deliver([(listener, Update(request_id, [], [], "error", reason))
+                 for request_id, listener in self._listeners.items()])
         self._listeners.clear()
+        self._reported.clear()
