@@ -138,8 +138,9 @@ class Engine:
             or the pool, before it is queued.
         """
         config = self.config
-        ids, _ = prompt_and_mask([prompt] if np.ndim(prompt) == 1 else prompt, None,
-                                 config.vocab_size)
+        prompt = np.asarray(prompt) if isinstance(prompt, list | tuple) else prompt
+        ids, _ = prompt_and_mask(prompt[None] if np.ndim(prompt) == 1 else prompt, None,
+                                 config.vocab_size)  # numpy on the host: no device round trip
         if ids.shape[0] != 1:
             raise ValueError(f"prompt must be one sequence of ids [prompt_len], got shape "
                              f"{np.shape(prompt)}")
