@@ -186,6 +186,8 @@ class Serve:
     """Prompt tokens a request prefills per step."""
     max_len: int | None = None
     """Longest sequence (prompt + new tokens) served (default: the model's max_len)."""
+    prefix_cache: bool = True
+    """Keep full pages of prompts for later requests that start the same way."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

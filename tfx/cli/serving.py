@@ -31,7 +31,8 @@ def serve(command) -> int:
 
     stopped_by = serving.serve(served, host=command.host, port=command.port, num_pages=pages,
                                page_size=command.page_size, max_batch=command.max_batch,
-                               chunk=command.chunk, on_ready=ready)
+                               chunk=command.chunk, prefix_cache=command.prefix_cache,
+                               on_ready=ready)
     if stopped_by is None:
         raise OSError(f"could not serve on {command.host}:{command.port}")
     print(f"tfx serve: stopped by {signal.Signals(stopped_by).name}", file=sys.stderr)

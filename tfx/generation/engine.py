@@ -13,7 +13,10 @@ prompt never waits for the decoders. So the engine compiles twice, whatever the 
 Memory: the pool holds `num_pages` pages of `page_size` tokens per layer, shared by all
 requests; a request holds ceil((prompt + max_new_tokens - 1) / page_size) pages from admission
 to its end (no preemption: a request is admitted only when its pages are free, first come
-first served). The last generated token is never fed back, so it needs no slot.
+first served). The last generated token is never fed back, so it needs no slot. With
+`prefix_cache`, full pages of prompt tokens stay cached after their request and a later
+request whose prompt starts with the same pages (and variant) takes them instead of new ones,
+reading from its first uncached token on (`tfx.generation.prefix_cache`).
 
 Greedy requests produce exactly the tokens of `tfx.generate(model, prompt, temperature=0.0)`
 run alone; sampled ones draw from their own `rng`, folded with the token index, so their
@@ -34,6 +37,7 @@ from flax import nnx
 from tfx.generation._inputs import integer, prompt_and_mask, real, token_ids
 from tfx.generation._paged_step import RowSettings, compile_step
 from tfx.generation.pages import PageAllocator
+from tfx.generation.prefix_cache import PrefixCache, page_keys
 from tfx.generation.requests import Request, Result, key_data
 from tfx.models.block import dtypes
 from tfx.models.decoder import Decoder
@@ -65,6 +69,7 @@ class Engine:
       prefill_rows: requests that prefill in one step, in [1, max_batch] (default
         max_batch // 4, at least 1).
       dtype: of the pool (default: the model's compute dtype, float32 if unset).
+      prefix_cache: keep full pages of prompts for later requests with the same prefix.
       variants: weight variants the model holds (`tfx.nn.row_variants`, e.g. LoRA adapters
         attached with `tfx.peft.multi_lora`, 0 = the base weights): a request's `variant` is
         below this; 1 for a plain model.
@@ -72,7 +77,7 @@ class Engine:
 
     def __init__(self, model: Decoder, *, num_pages: int, page_size: int = 16,
                  max_batch: int = 8, chunk: int = 64, prefill_rows: int | None = None,
-                 dtype=None, variants: int = 1):
+                 dtype=None, variants: int = 1, prefix_cache: bool = False):
         _check_model(model)
         config = model.config
         self.page_size = integer("page_size", page_size)
@@ -84,6 +89,7 @@ class Engine:
                              f"{prefill_rows}")
         self.variants = integer("variants", variants)
         self.allocator = PageAllocator(integer("num_pages", num_pages))
+        self._pages = PrefixCache(self.allocator, enabled=prefix_cache)
         self.config, self.max_len = config, config.max_len
         pages_per_seq = math.ceil(self.max_len / self.page_size)
         graphdef, self._state = nnx.split(model)
@@ -111,6 +117,11 @@ class Engine:
         """Programs compiled so far for the steps (at most 2: [max_batch, chunk] and
         [max_batch, 1])."""
         return self._step._cache_size()
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages a new request could take (free, or cached prefixes that no request holds)."""
+        return self._pages.num_free
 
     @property
     def num_pending(self) -> int:
@@ -155,6 +166,8 @@ class Engine:
             config.vocab_size if top_k is None else integer("top_k", top_k),
             1.0 if top_p is None else real("top_p", top_p, low=0.0, high=1.0, open_low=True),
             key_data(rng, temperature), self._variant(variant))
+        if self._pages.enabled:
+            request.keys = page_keys(request.prompt, request.variant, self.page_size)
         if self._pages_needed(request) > self.allocator.num_pages:
             raise ValueError(f"the request needs {self._pages_needed(request)} pages of "
                              f"{self.page_size} tokens, more than the pool's num_pages "
@@ -277,11 +290,14 @@ class Engine:
             request = self._waiting[0]
             if self._rows[row] is not None:
                 continue
-            if self._pages_needed(request) > self.allocator.num_free:
+            admitted = self._pages.admit(request.keys, self._pages_needed(request))
+            if admitted is None:
                 return
             self._waiting.popleft()
-            request.pages = self.allocator.allocate(self._pages_needed(request))
+            request.pages, shared = admitted
+            request.fed = request.cached = shared * self.page_size
             self._page_table[row, :len(request.pages)] = request.pages
+            self._next_position[row] = request.fed
             self._rows[row] = request
 
     def _feed(self, group: list[tuple[int, Request]], size: int, width: int) -> list[Result]:
@@ -297,7 +313,10 @@ class Engine:
         self._next_position[rows] += fed[:len(group)]
         finished = []
         for slot, (row, request) in enumerate(group):
+            reading = request.fed < len(request.prompt)
             request.fed = min(request.fed + int(fed[slot]), len(request.prompt))
+            if reading:  # its newly written full prompt pages become shareable
+                self._pages.register(request.keys, request.pages, request.fed, self.page_size)
             if request.fed == len(request.prompt):  # prompt done: the token is a new one
                 request.tokens.append(int(chosen[slot]))
                 request.logprobs.append(float(logprobs[slot]))
@@ -333,7 +352,7 @@ class Engine:
 
     def _retire(self, row: int, request: Request, reason: str) -> Result:
         """Free a finished (or cancelled) request's row and pages."""
-        self.allocator.release(request.pages)
+        self._pages.release(request.pages)
         self._page_table[row] = -1
         self._next_position[row] = 0
         self._rows[row] = None

@@ -21,12 +21,14 @@ class Result:
     finish_reason: "eos" or "length" (max_new_tokens reached).
     logprobs: float32 [n], each token's log-probability under the model (before temperature
       and filters).
+    cached_tokens: prompt tokens whose keys and values came from the prefix cache.
     """
 
     request_id: int
     tokens: np.ndarray
     finish_reason: str
     logprobs: np.ndarray
+    cached_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -34,7 +36,9 @@ class Request:
     """A request's host-side state; `fed` counts prompt tokens already in the cache.
 
     top_k: the vocabulary size when unfiltered; top_p: 1.0 when unfiltered. variant: the
-    weight variant its rows run with (`tfx.nn.row_variants`; 0 = the base weights).
+    weight variant its rows run with (`tfx.nn.row_variants`; 0 = the base weights). keys: its
+    shareable prompt pages' keys (`tfx.generation.prefix_cache`); cached: prompt tokens that
+    came from the cache.
     """
 
     id: int
@@ -46,6 +50,8 @@ class Request:
     top_p: float
     key: np.ndarray
     variant: int = 0
+    keys: list[bytes] = dataclasses.field(default_factory=list)
+    cached: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -64,7 +70,7 @@ class Request:
 
     def result(self, reason: str) -> Result:
         return Result(self.id, np.asarray(self.tokens, np.int32), reason,
-                      np.asarray(self.logprobs, np.float32))
+                      np.asarray(self.logprobs, np.float32), self.cached)
 
 
 def key_data(rng, temperature: float) -> np.ndarray:

@@ -28,12 +28,13 @@ __all__ = ["create_app"]
 
 
 def create_app(served: Served, *, num_pages: int, page_size: int = 16, max_batch: int = 16,
-               chunk: int = 64) -> FastAPI:
-    """The app serving `served` with a paged engine (arguments as `tfx.generation.Engine`'s).
-    The engine's thread starts with the app's lifespan and stops with it, failing what is
-    still unfinished."""
+               chunk: int = 64, prefix_cache: bool = True) -> FastAPI:
+    """The app serving `served` with a paged engine (arguments as `tfx.generation.Engine`'s;
+    prompt prefixes are cached by default). The engine's thread starts with the app's lifespan
+    and stops with it, failing what is still unfinished."""
     engine = Engine(served.model, num_pages=num_pages, page_size=page_size,
-                    max_batch=max_batch, chunk=chunk, variants=len(served.adapters) + 1)
+                    max_batch=max_batch, chunk=chunk, variants=len(served.adapters) + 1,
+                    prefix_cache=prefix_cache)
     worker = EngineWorker(engine)
 
     @contextlib.asynccontextmanager
@@ -48,7 +49,7 @@ def create_app(served: Served, *, num_pages: int, page_size: int = 16, max_batch
 
     @app.get("/health")
     async def health() -> dict:
-        free, pending = await worker.call(lambda e: (e.allocator.num_free, e.num_pending))
+        free, pending = await worker.call(lambda e: (e.num_free_pages, e.num_pending))
         return {"status": "ok", "pages": engine.allocator.num_pages, "free_pages": free,
                 "requests": pending}
 

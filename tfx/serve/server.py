@@ -22,13 +22,12 @@ __all__ = ["serve", "serving"]
 
 
 def serve(served: Served, *, host: str = "127.0.0.1", port: int = 8000, num_pages: int,
-          page_size: int = 16, max_batch: int = 16, chunk: int = 64,
-          drain_seconds: float = 30.0, on_ready=None) -> int | None:
+          drain_seconds: float = 30.0, on_ready=None, **engine) -> int | None:
     """Serve until SIGINT or SIGTERM; returns that signal's number (None if the server stopped
     otherwise, e.g. it could not bind). on_ready: called with "host:port" once the socket
-    listens (port 0 picks a free port)."""
-    app = create_app(served, num_pages=num_pages, page_size=page_size, max_batch=max_batch,
-                     chunk=chunk)
+    listens (port 0 picks a free port). engine: page_size, max_batch, chunk, prefix_cache as
+    `create_app`."""
+    app = create_app(served, num_pages=num_pages, **engine)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=drain_seconds)
     server = _Server(config, on_ready)
@@ -40,8 +39,7 @@ def serve(served: Served, *, host: str = "127.0.0.1", port: int = 8000, num_page
 def serving(served: Served, *, host: str = "127.0.0.1", port: int = 0, num_pages: int,
             drain_seconds: float = 5.0, **engine) -> Iterator[str]:
     """Serve on a thread of this process (a notebook, a test) while the block runs; yields the
-    base URL ("http://127.0.0.1:PORT/v1", port 0: a free one). engine: page_size, max_batch,
-    chunk as `serve`."""
+    base URL ("http://127.0.0.1:PORT/v1", port 0: a free one). engine: as `serve`."""
     app = create_app(served, num_pages=num_pages, **engine)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=drain_seconds)
