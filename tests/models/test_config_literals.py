@@ -11,6 +11,7 @@ import pytest
 from tfx.models import config, parts
 from tfx.nn.attention import QK_NORMS
 from tfx.nn.norms import NORMS
+from tfx.nn.remat import POLICIES as REMAT_POLICIES
 from tfx.ops import attention, moe
 from tfx.ops.activations import ACTIVATIONS
 from tfx.ops.positional.rope import LAYOUTS
@@ -24,6 +25,7 @@ from tfx.ops.positional.rope import LAYOUTS
     (parts.MoePolicy, moe.POLICIES),
     (parts.MoeDispatch, moe.IMPLEMENTATIONS),
     (parts.QKNorm, QK_NORMS),
+    (parts.RematPolicy, REMAT_POLICIES),
 ], ids=lambda x: getattr(x, "__name__", None) if not isinstance(x, (tuple, dict)) else None)
 def test_each_literal_lists_its_tables_keys(literal, table):
     assert set(get_args(literal)) == set(table)

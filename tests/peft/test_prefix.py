@@ -220,9 +220,9 @@ def test_prefix_reaches_the_cross_attention_of_an_encoder_decoder():
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match="num_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="num_tokens must be an int >= 1"):
         Prefix(0)
-    with pytest.raises(ValueError, match="projection must be >= 0"):
+    with pytest.raises(ValueError, match="projection must be an int >= 0"):
         Prefix(2, projection=-1)
     with pytest.raises(ValueError, match="stack/layers/0/attention"):
         Prefix(2, targets=["cross_attention"]).attach(_model(), rngs=nnx.Rngs(0))

@@ -18,6 +18,7 @@ from tfx.nn.mlp import MLP
 from tfx.nn.moe import MoE
 from tfx.nn.norms import make_norm
 from tfx.nn.positions import ALiBi, Position, Rope, Rotary, TransformerXL
+from tfx.nn.remat import ATTENTION_OUT, MLP_OUT, checkpoint_policy, tag
 from tfx.ops.backends import current_platform
 from tfx.ops.kv_cache import LayerKV
 
@@ -116,26 +117,35 @@ class Block(nnx.Module):
           attention_args: mask, bias, is_causal, sparsity, positions, segment ids of the
             self-attention (see `tfx.nn.Attention`).
         """
-        h = self.attention(self.branch_input("attention", x), cache=cache, **attention_args)
+        # Named scopes label the compiled ops for profiles (layer_3/attention/...); the tags
+        # name the branch outputs for the remat policies that keep them (tfx.nn.remat).
+        h = self.branch_input("attention", x)
+        with jax.named_scope("attention"):
+            h = self.attention(h, cache=cache, **attention_args)
         h, cache = (h, None) if cache is None else h
-        layer_input, x = x, self.residual("attention", x, h)
+        layer_input, x = x, self.residual("attention", x, tag(h, ATTENTION_OUT))
         if self.cross_attention is not None:
             segments = {} if context_segment_ids is None else dict(
                 query_segment_ids=attention_args.get("query_segment_ids"),
                 key_segment_ids=context_segment_ids)
-            h = self.cross_attention(self.branch_input("cross", x), context, mask=context_mask,
-                                     **segments)
-            x = self.residual("cross", x, h)
+            h = self.branch_input("cross", x)
+            with jax.named_scope("cross_attention"):
+                h = self.cross_attention(h, context, mask=context_mask, **segments)
+            x = self.residual("cross", x, tag(h, ATTENTION_OUT))
         h = self.branch_input("mlp", layer_input if self.parallel_mlp else x)
-        x = self.residual("mlp", x, self.mlp(h, token_mask) if isinstance(self.mlp, MoE)
-                          else self.mlp(h))
+        with jax.named_scope("mlp"):
+            h = self.mlp(h, token_mask) if isinstance(self.mlp, MoE) else self.mlp(h)
+        x = self.residual("mlp", x, tag(h, MLP_OUT))
         return x if cache is None else (x, cache)
 
     def branch_input(self, branch: str, x: jax.Array) -> jax.Array:
         """What branch "attention", "cross" or "mlp" reads: its norm of x (pre-norm layers
         that normalise inputs) or x."""
         norm = getattr(self, f"{branch}_norm")
-        return norm(x) if self.pre_norm and norm is not None else x
+        if not self.pre_norm or norm is None:
+            return x
+        with jax.named_scope(f"{branch}_norm"):
+            return norm(x)
 
     def residual(self, branch: str, x: jax.Array, h: jax.Array) -> jax.Array:
         """x plus the branch's output h [batch, seq, d_model] (normalised first when the layer
@@ -150,10 +160,17 @@ class Block(nnx.Module):
 
 class RematBlock(Block):
     """A Block whose activations are recomputed in the backward pass instead of stored
-    (config.remat): memory of one layer's inputs rather than of all its intermediates."""
+    (config.compute.remat). With the default policy, "nothing_saveable", it keeps only the
+    layer's inputs; compute.remat_policy names what else it keeps (`tfx.nn.remat.POLICIES`)."""
+
+    def __init__(self, config: TransformerConfig, **kwargs):
+        super().__init__(config, **kwargs)
+        self.remat_policy = config.compute.remat_policy
 
     def __call__(self, x: jax.Array, **kwargs):
-        return nnx.remat(lambda block, h: Block.__call__(block, h, **kwargs))(self, x)
+        policy = checkpoint_policy(self.remat_policy)
+        return nnx.remat(lambda block, h: Block.__call__(block, h, **kwargs),
+                         policy=policy)(self, x)
 
 
 def _position(config: TransformerConfig, layer_type: str, rngs: nnx.Rngs) -> Position | None:

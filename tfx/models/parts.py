@@ -18,11 +18,11 @@ if TYPE_CHECKING:
 else:  # a runtime annotation that names no jax type (tyro reads it as a fixed field)
     RopeScaling = object
 
-__all__ = ["COMPUTE_DTYPES", "Activation", "AttentionConfig", "AttentionImplementation",
-           "ComputeConfig", "Dtype", "EmbeddingsConfig", "LatentConfig", "LayerType", "MlpConfig",
-           "MoeConfig",
-           "MoeDispatch", "MoePolicy", "NormConfig", "NormKind", "QKNorm", "RopeConfig",
-           "RopeLayout", "SpecialTokens", "T5BiasConfig"]
+__all__ = ["COMPUTE_DTYPES", "REMAT_POLICIES", "Activation", "AttentionConfig",
+           "AttentionImplementation", "ComputeConfig", "Dtype", "EmbeddingsConfig",
+           "LatentConfig", "LayerType", "MlpConfig", "MoeConfig", "MoeDispatch", "MoePolicy",
+           "NormConfig", "NormKind", "QKNorm", "RematPolicy", "RopeConfig", "RopeLayout",
+           "SpecialTokens", "T5BiasConfig"]
 
 # The names of tfx.ops.activations.ACTIVATIONS.
 Activation = Literal["gelu", "gelu_tanh", "relu", "silu"]
@@ -44,6 +44,14 @@ QKNorm = Literal["per_head", "across_heads"]
 # Floating-point dtypes by name; resolved to jnp dtypes where modules are built.
 Dtype = Literal["float32", "bfloat16", "float16"]
 COMPUTE_DTYPES = (None, *get_args(Dtype))
+# What a rematerialised layer keeps from its forward pass for the backward pass; the rest is
+# recomputed. jax's own policies (`jax.checkpoint_policies.<name>`), from the most recomputation
+# to none, then tfx's, which keep the tensors that the layers tag with checkpoint names.
+# tfx.nn.remat.POLICIES maps each name to its jax policy and says which tags it keeps.
+REMAT_POLICIES = ("nothing_saveable", "dots_with_no_batch_dims_saveable", "dots_saveable",
+                  "everything_saveable", "save_attention_outputs", "save_qkv_proj",
+                  "save_qkv_and_attention_outputs")
+RematPolicy = Literal[REMAT_POLICIES]  # the tuple above, as tyro and the CLI read it
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -363,6 +371,10 @@ class ComputeConfig:
     """Storage dtype of the parameters."""
     remat: bool = False
     """Rematerialise each layer in the backward pass (less memory, more compute)."""
+    remat_policy: RematPolicy = "nothing_saveable"
+    """What a rematerialised layer keeps for its backward pass (tfx.nn.remat): from
+    "nothing_saveable" (all recomputed) to "everything_saveable" (none), or the tensors a
+    "save_*" policy names. Needs remat."""
     scan_layers: bool = False
     """Stack the layers' weights [num_layers, ...] and run them in nnx.scan: one layer
     compiled instead of num_layers."""
@@ -371,6 +383,10 @@ class ComputeConfig:
         one_of("compute.dtype", self.dtype, COMPUTE_DTYPES)
         one_of("compute.param_dtype", self.param_dtype, get_args(Dtype))
         boolean("compute.remat", self.remat)
+        one_of("compute.remat_policy", self.remat_policy, REMAT_POLICIES)
+        if not self.remat and self.remat_policy != "nothing_saveable":
+            raise ValueError(f"compute.remat_policy={self.remat_policy!r} applies to "
+                             "rematerialised layers only: set compute.remat=True too")
         boolean("compute.scan_layers", self.scan_layers)
 
 

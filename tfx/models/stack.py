@@ -184,17 +184,19 @@ class Stack(nnx.Module):
                 return out if layer_cache is not None else (out, None)
 
             axes = (nnx.Carry, 0, None if cache is None else 0, 0 if per_layer_context else None)
-            x, cache = nnx.scan(run, in_axes=axes, out_axes=(nnx.Carry, 0))(
-                x, self.layers, cache, context)
+            with jax.named_scope("layers"):  # the scan's body is every layer: no index
+                x, cache = nnx.scan(run, in_axes=axes, out_axes=(nnx.Carry, 0))(
+                    x, self.layers, cache, context)
         else:
             caches = [None] * len(self.layers) if cache is None else cache
             contexts = context if per_layer_context else [context] * len(self.layers)
             updated = []
-            for layer, layer_cache, layer_context, window in zip(
-                    self.layers, caches, contexts, self.windows, strict=True):
-                x = layer(x, context=layer_context, token_mask=token_mask,
-                          cache=None if layer_cache is None else kind(layer_cache),
-                          **shared, **visibility[window])
+            for i, (layer, layer_cache, layer_context, window) in enumerate(zip(
+                    self.layers, caches, contexts, self.windows, strict=True)):
+                with jax.named_scope(f"layer_{i}"):  # profiles read by layer
+                    x = layer(x, context=layer_context, token_mask=token_mask,
+                              cache=None if layer_cache is None else kind(layer_cache),
+                              **shared, **visibility[window])
                 if layer_cache is not None:
                     x, layer_cache = x
                 updated.append(layer_cache)

@@ -16,6 +16,7 @@ from tfx.nn.caches import Keys, NoCache, cache_for
 from tfx.nn.linear import flat_linear
 from tfx.nn.norms import make_norm
 from tfx.nn.positions import Position
+from tfx.nn.remat import KEY_PROJ, QUERY_PROJ, VALUE_PROJ, tag
 from tfx.ops.attention import IMPLEMENTATIONS
 from tfx.ops.kv_cache import LayerKV
 from tfx.ops.sparse import SparsitySpec
@@ -137,7 +138,7 @@ class Attention(nnx.Module):
         if x.ndim != 3:
             raise ValueError(f"x must have 3 dims [batch, q_len, d_model], got shape {x.shape}")
         source = cache_for(cache, context)
-        query = self._heads(self.query(x), self.num_heads, self.query_norm)
+        query = self._heads(tag(self.query(x), QUERY_PROJ), self.num_heads, self.query_norm)
         inputs = source.sources(x, context)
         key, value = (None, None) if inputs is None else self._project(inputs)
         positions = source.query_positions(positions, x.shape[1])
@@ -167,8 +168,8 @@ class Attention(nnx.Module):
 
     def _project(self, source: jax.Array) -> tuple[jax.Array, jax.Array]:
         """[batch, kv_len, features] -> keys and values [batch, kv_len, num_kv_heads, head_dim]."""
-        return (self._heads(self.key(source), self.num_kv_heads, self.key_norm),
-                self._heads(self.value(source), self.num_kv_heads))
+        return (self._heads(tag(self.key(source), KEY_PROJ), self.num_kv_heads, self.key_norm),
+                self._heads(tag(self.value(source), VALUE_PROJ), self.num_kv_heads))
 
     def _heads(self, x: jax.Array, num_heads: int, norm: QKNorm | None = None) -> jax.Array:
         """[batch, seq, num_heads * head_dim] -> [batch, seq, num_heads, head_dim], normalised

@@ -13,8 +13,6 @@ before dropout and the residual sum.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -23,6 +21,7 @@ from tfx.models.block import Block
 from tfx.models.stack import Stack
 from tfx.ops.activations import ACTIVATIONS
 from tfx.peft.core import PeftParam, extend, find_modules, retract
+from tfx.peft.settings import AdapterSettings
 
 __all__ = ["PLACEMENTS", "Adapted", "Adapter", "Adapters", "detach"]
 
@@ -69,47 +68,15 @@ class Adapter(nnx.Module):
         return h + project(z, self.up, self.up_bias)
 
 
-@dataclasses.dataclass(frozen=True)
-class Adapters:
-    """Settings of bottleneck adapters.
-
-    Args:
-      placement: a key of PLACEMENTS.
-      size: bottleneck width; None: d_model // reduction.
-      reduction: d_model / size when size is None (16, as in Pfeiffer et al.).
-      activation: a key of tfx.ops.activations.ACTIVATIONS.
-      init_std: see `Adapter`.
-      zero_up: see `Adapter`.
-      use_bias: see `Adapter`.
-      cross_attention: also an adapter after every cross-attention (encoder–decoders).
-    """
-
-    placement: str = "houlsby"
-    size: int | None = None
-    reduction: int = 16
-    activation: str = "relu"
-    init_std: float = 1e-2
-    zero_up: bool = False
-    use_bias: bool = True
-    cross_attention: bool = False
+class Adapters(AdapterSettings):
+    """Bottleneck adapters: their settings (`tfx.peft.settings.AdapterSettings`) and how they
+    attach."""
 
     def __post_init__(self):
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement must be one of {tuple(PLACEMENTS)}, got "
-                             f"{self.placement!r}")
-        for name in ("size", "reduction"):
-            value = getattr(self, name)
-            if value is None and name == "size":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value <= 0:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.activation not in ACTIVATIONS:
+        super().__post_init__()
+        if self.activation not in ACTIVATIONS:  # the table lives with the functions (jax)
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got "
                              f"{self.activation!r}")
-        if not self.init_std > 0:
-            raise ValueError(f"init_std must be > 0, got {self.init_std}")
 
     def attach(self, model: nnx.Module, *, rngs: nnx.Rngs) -> nnx.Module:
         """Put adapters (in place) into every layer of `model`, a tfx Decoder, Encoder or

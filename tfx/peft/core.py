@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from flax import nnx
 
 from tfx.nn.paths import path_name
+from tfx.peft.settings import check_targets
 
 __all__ = ["PeftParam", "extend", "extended_class", "find_modules", "path_matcher", "retract",
            "set_module"]
@@ -67,12 +68,11 @@ def path_matcher(targets: str | Iterable[str]) -> Callable[[str], bool]:
     """peft's `target_modules` semantics on "a/b/c" module paths: a string is a regex that must
     match the whole path; a list of names matches paths whose last part is one of them (or that
     end with "/<name>" for names holding a "/")."""
+    check_targets(targets)
     if isinstance(targets, str):
         pattern = re.compile(targets)
         return lambda path: pattern.fullmatch(path) is not None
     names = tuple(targets)
-    if not names or not all(isinstance(n, str) and n for n in names):
-        raise ValueError(f"targets must be a regex or a non-empty list of names, got {targets!r}")
     return lambda path: any(path == n or path.endswith("/" + n) for n in names)
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -31,11 +30,11 @@ from tfx.nn.embeddings import TokenEmbedding
 from tfx.nn.paths import path_name
 from tfx.peft.core import extended_class, find_modules, path_matcher, retract, set_module
 from tfx.peft.lora_modules import LoRAEmbedding, LoRALinear
+from tfx.peft.settings import LoRASettings
 
 __all__ = ["Factors", "LoRA", "LoRAWeights", "attach", "detach", "init", "merge", "unmerge",
            "weights_of"]
 
-INIT_STYLES = ("peft", "seed", "seed_normal")
 _WEIGHT_NAMES = ("kernel", "table")  # of linear layers and of embeddings
 
 
@@ -58,35 +57,8 @@ class LoRAWeights:
     scale: float = dataclasses.field(metadata=dict(static=True))
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LoRA:
-    """LoRA settings.
-
-    rank: r, 1 <= r <= min(d_in, d_out) of every target. alpha: scale = alpha / r, or
-    alpha / sqrt(r) with `rslora` (Kalajdzievski 2023). targets: a regex over module paths or a
-    list of module names (peft's target_modules); default the attention's query and value.
-    init_style: "peft" (a Kaiming-uniform ±1/sqrt(d_in), b zero; embeddings: a zero, b
-    N(0, 1)), "seed" (b zero, a uniform ±init_scale/sqrt(r)) or "seed_normal" (b zero, a
-    N(0, init_scale)). dropout: on the low-rank path's input.
-    """
-
-    rank: int = 8
-    alpha: float = 16.0
-    targets: str | tuple[str, ...] = ("query", "value")
-    init_style: Literal["peft", "seed", "seed_normal"] = "peft"
-    init_scale: float = 0.05
-    rslora: bool = False
-    dropout: float = 0.0
-
-    def __post_init__(self):
-        _check_settings(self.rank, self.alpha, self.init_style, self.init_scale)
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        path_matcher(self.targets)  # validates the form
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+class LoRA(LoRASettings):
+    """LoRA: its settings (`tfx.peft.settings.LoRASettings`) and how it attaches."""
 
     def attach(self, model: nnx.Module, *, rngs: nnx.Rngs) -> nnx.Module:
         """Add freshly initialised factors to `model`'s targets, in place; returns the model."""
@@ -108,7 +80,8 @@ def init(rng: jax.Array, state: nnx.State, *, rank: int, alpha: float,
     Raises ValueError for targets that match nothing (listing what can be adapted) and for a
     rank outside [1, min(d_in, d_out)] of a target.
     """
-    _check_settings(rank, alpha, init_style, init_scale)
+    LoRASettings(rank=rank, alpha=alpha, targets=targets, init_style=init_style,
+                 init_scale=init_scale)  # checks them
     matches = path_matcher(targets)
     weights = _adaptable(state)
     chosen = {path: w for path, w in weights.items() if matches(path)}
@@ -244,14 +217,3 @@ def _plain(module: LoRALinear | LoRAEmbedding) -> nnx.Linear | TokenEmbedding:
         if hasattr(module, name):
             delattr(module, name)
     return retract(module, LoRALinear if isinstance(module, LoRALinear) else LoRAEmbedding)
-
-
-def _check_settings(rank, alpha, init_style, init_scale) -> None:
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"rank must be an int >= 1, got {rank!r}")
-    if not alpha > 0:
-        raise ValueError(f"alpha must be > 0, got {alpha}")
-    if init_style not in INIT_STYLES:
-        raise ValueError(f"init_style must be one of {INIT_STYLES}, got {init_style!r}")
-    if not init_scale > 0:
-        raise ValueError(f"init_scale must be > 0, got {init_scale}")

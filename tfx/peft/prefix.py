@@ -24,6 +24,7 @@ from tfx.nn.paths import path_name
 from tfx.ops.attention import static_spec
 from tfx.ops.leading_keys import prepend_keys
 from tfx.peft.core import PeftParam, extend, find_modules, path_matcher, retract
+from tfx.peft.settings import PrefixSettings
 
 __all__ = ["EncodedPrefix", "Prefix", "PrefixEncoder", "PrefixKV", "Prefixed"]
 
@@ -110,41 +111,9 @@ def detach(model: nnx.Module) -> nnx.Module:
     return model
 
 
-@dataclasses.dataclass(frozen=True)
-class Prefix:
-    """Prefix tuning settings (peft's PREFIX_TUNING).
-
-    num_tokens: G, learned key/value positions per targeted layer (>= 1).
-    targets: which `tfx.nn.Attention` modules get a prefix, as `tfx.peft.core.path_matcher`
-      reads it: a regex over "stack/layers/0/attention" paths, or names ("attention": every
-      self-attention; "cross_attention": an encoder-decoder's cross-attention).
-    projection: 0 learns the keys and values directly ([G, num_kv_heads, head_dim] each per
-      layer, GQA/MQA using the KV head count); > 0 trains peft's reparameterisation MLP with this
-      hidden width instead (`PrefixEncoder`); `Prefix.fold(model)` then replaces it by its
-      output. One MLP serves all layers, so it needs compute.scan_layers=False.
-    init_std: standard deviation of the normal init of the prefix (or of the MLP's embedding).
-    """
-
-    num_tokens: int
-    targets: str | tuple[str, ...] = ("attention",)
-    projection: int = 0
-    init_std: float = 0.02
-
-    def __post_init__(self):
-        for name in ("num_tokens", "projection"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if self.num_tokens < 1:
-            raise ValueError(f"num_tokens must be >= 1, got {self.num_tokens}")
-        if self.projection < 0:
-            raise ValueError(f"projection must be >= 0 (0: no reparameterisation), "
-                             f"got {self.projection}")
-        if not isinstance(self.init_std, int | float) or self.init_std < 0:
-            raise ValueError(f"init_std must be a float >= 0, got {self.init_std!r}")
-        if not isinstance(self.targets, str):
-            object.__setattr__(self, "targets", tuple(self.targets))
-        path_matcher(self.targets)  # validates the targets
+class Prefix(PrefixSettings):
+    """Prefix tuning: its settings (`tfx.peft.settings.PrefixSettings`) and how it attaches;
+    `Prefix.fold(model)` replaces a trained reparameterisation MLP by its output."""
 
     def attach(self, model: nnx.Module, *, rngs: nnx.Rngs) -> nnx.Module:
         """Give every targeted attention of `model` a prefix (in place) and return `model`.

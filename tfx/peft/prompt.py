@@ -10,8 +10,6 @@ leading vectors (positions, masks, the KV cache, encoder–decoders) is `tfx.mod
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,12 +20,13 @@ from tfx.models.encoder import Encoder
 from tfx.models.encoder_decoder import EncoderDecoder
 from tfx.models.stack import Embeddings
 from tfx.peft.core import PeftParam, extend, retract
+from tfx.peft.settings import PROMPT_INITS, SoftPromptSettings
 
 __all__ = ["INITS", "Prompt", "Prompted", "SoftPrompt", "detach"]
 
 # "random": normal(init_std); "vocab": the embeddings of G token ids drawn uniformly from the
 # vocabulary; "text": the embeddings of `text_ids` repeated / cut to G tokens.
-INITS = ("random", "vocab", "text")
+INITS = PROMPT_INITS
 
 
 class Prompt(nnx.Module):
@@ -71,41 +70,9 @@ def detach(model: Decoder | Encoder | EncoderDecoder) -> Decoder | Encoder | Enc
     return model
 
 
-@dataclasses.dataclass(frozen=True)
-class SoftPrompt:
-    """Settings of prompt tuning.
-
-    Args:
-      num_tokens: G, the number of prompt vectors.
-      init: one of INITS.
-      text_ids: with init="text", the token ids of the text (from the model's tokenizer) whose
-        embeddings start the prompt, repeated or cut to G; None otherwise.
-      init_std: standard deviation of init="random".
-    """
-
-    num_tokens: int
-    init: str = "random"
-    text_ids: tuple[int, ...] | None = None
-    init_std: float = 0.02
-
-    def __post_init__(self):
-        if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int):
-            raise TypeError(f"num_tokens must be an int, got {type(self.num_tokens).__name__}")
-        if self.num_tokens <= 0:
-            raise ValueError(f"num_tokens must be >= 1, got {self.num_tokens}")
-        if self.init not in INITS:
-            raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
-        if (self.init == "text") != (self.text_ids is not None):
-            raise ValueError(f"text_ids must be given with init='text' and only then, got "
-                             f"init={self.init!r}, text_ids={self.text_ids!r}")
-        if self.text_ids is not None and (
-                not isinstance(self.text_ids, tuple) or not self.text_ids
-                or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                           for i in self.text_ids)):
-            raise ValueError(f"text_ids must be a non-empty tuple of token ids (ints >= 0), got "
-                             f"{self.text_ids!r}")
-        if not self.init_std > 0:
-            raise ValueError(f"init_std must be > 0, got {self.init_std}")
+class SoftPrompt(SoftPromptSettings):
+    """Prompt tuning: its settings (`tfx.peft.settings.SoftPromptSettings`) and how it
+    attaches."""
 
     def attach(self, model: Decoder | Encoder | EncoderDecoder, *,
                rngs: nnx.Rngs) -> Decoder | Encoder | EncoderDecoder:

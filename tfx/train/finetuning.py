@@ -1,6 +1,8 @@
-"""What fine-tuning trains, one frozen dataclass per method with only its own settings:
-`FullTuning` (every weight) or one of the `tfx.peft` methods, which train only the parameters
-they add, with the model frozen (start it from a trained run with `train.init_from`).
+"""What fine-tuning trains, one frozen dataclass per method: `FullTuning` (every weight) or one
+of the `tfx.peft` methods, which train only the parameters they add, with the model frozen
+(start it from a trained run with `train.init_from`). A method's config is its
+`tfx.peft.settings` class (every option, defined once) plus what only the command line
+chooses: a default where the method has none, and base changes such as LoRA's `quantize`.
 
 `PeftConfig` is their union, the type of `Experiment.peft`; on the command line a method is a
 subcommand (`peft:lora --peft.rank 8`, or `--peft lora`). Each config builds its `tfx.peft`
@@ -14,6 +16,8 @@ import dataclasses
 from typing import Annotated, ClassVar, Literal
 
 import tyro
+
+from tfx.peft.settings import AdapterSettings, LoRASettings, PrefixSettings, SoftPromptSettings
 
 __all__ = ["METHODS", "AdapterTuning", "FullTuning", "LoraTuning", "PeftConfig", "PrefixTuning",
            "PromptTuning", "peft_config"]
@@ -60,23 +64,14 @@ class _Method:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LoraTuning(_Method):
+class LoraTuning(_Method, LoRASettings):
     """LoRA (Hu et al. 2021): low-rank updates of the target projections (`tfx.peft.LoRA`)."""
 
     method: ClassVar[str] = "lora"
     peft_class: ClassVar[str] = "LoRA"
-    rank: int = 8
-    """Rank r of each update."""
-    alpha: float = 16.0
-    """The update is scaled by alpha / r (alpha / sqrt(r) with rslora)."""
+    # Names only: a command line cannot tell one regex from a list of one name.
     targets: tuple[str, ...] = ("query", "value")
-    """Module names that get updates (query, key, value, out, up, gate, down, tokens)."""
-    init_style: Literal["peft", "seed", "seed_normal"] = "peft"
-    """How the factors start (see `tfx.peft.LoRA`)."""
-    rslora: bool = False
-    """Rank-stabilised scaling alpha / sqrt(r)."""
-    dropout: float = 0.0
-    """Dropout on the input of the low-rank path (peft's lora_dropout)."""
+    """Module names that get updates (query, key, value, out, up, gate, down, tokens, head)."""
     quantize: Literal["int8", "int4", "nf4"] | None = None
     """Quantize the frozen base's linear layers first (tfx.quant; nf4 is QLoRA)."""
 
@@ -91,42 +86,42 @@ class LoraTuning(_Method):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PromptTuning(_Method):
+class PromptTuning(_Method, SoftPromptSettings):
     """Soft prompts (Lester et al. 2021): learned embeddings before the input
     (`tfx.peft.SoftPrompt`)."""
 
     method: ClassVar[str] = "prompt"
     peft_class: ClassVar[str] = "SoftPrompt"
     num_tokens: int = 16
-    """Learned positions."""
-    init: Literal["random", "vocab"] = "vocab"
-    """Start from random vectors or from embeddings of vocabulary tokens."""
+    """Learned positions (16 unless told)."""
+    init: Literal["random", "vocab", "text"] = "vocab"
+    """Start from embeddings of random vocabulary tokens (vocab), random vectors, or the
+    embeddings of text_ids (text)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PrefixTuning(_Method):
+class PrefixTuning(_Method, PrefixSettings):
     """Prefix tuning (Li & Liang 2021): learned keys and values before every layer's
     (`tfx.peft.Prefix`)."""
 
     method: ClassVar[str] = "prefix"
     peft_class: ClassVar[str] = "Prefix"
     num_tokens: int = 16
-    """Learned positions."""
-    projection: int = 0
-    """Width of the reparameterisation MLP; 0 for none."""
+    """Learned positions (16 unless told)."""
+    # Names only, as LoraTuning's.
+    targets: tuple[str, ...] = ("attention",)
+    """Attention modules that get a prefix: attention (every self-attention), cross_attention."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class AdapterTuning(_Method):
+class AdapterTuning(_Method, AdapterSettings):
     """Bottleneck adapters (Houlsby et al. 2019, Pfeiffer et al. 2020) after sub-layers
     (`tfx.peft.Adapters`)."""
 
     method: ClassVar[str] = "adapter"
     peft_class: ClassVar[str] = "Adapters"
-    size: int = 16
-    """Bottleneck width."""
-    placement: Literal["houlsby", "pfeiffer"] = "houlsby"
-    """After attention and MLP (houlsby) or after the MLP only (pfeiffer)."""
+    size: int | None = 16
+    """Bottleneck width (16 unless told; None: d_model // reduction)."""
 
 
 METHODS = {kind.method: kind for kind in
