@@ -1,9 +1,12 @@
 """mkdocs hooks: the README as the site's guide page, and a check that the API pages name
 every public module.
 
-The README links to result tables and plots under experiments/results/ and
-benchmarks/results/; those files join the site too, so the strict build checks each link and
-anchor of the README instead of skipping them.
+The README and the guides in docs/ link to result tables and plots under experiments/results/
+and benchmarks/results/; those files join the site too (at the same paths), so the strict build
+checks each such link and anchor instead of skipping them. Links are written to work on GitHub:
+the README links `docs/ops.md` and `benchmarks/results/x.md` from the repository's root, a guide
+links `../benchmarks/results/x.md` and `../README.md` from docs/. On the site the guides, the
+README (as guide.md) and the results all sit under one root, so those prefixes are rewritten.
 """
 
 from __future__ import annotations
@@ -31,6 +34,16 @@ def on_files(files: Files, config) -> Files:
                                             abs_src_path=str(path)))
     _check_modules_named(pathlib.Path(config.docs_dir) / "api")
     return files
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    """A guide in docs/ links the results and the README from one folder down, as GitHub
+    resolves them; on the site they are siblings of the guide."""
+    if page.file.src_uri.count("/") == 0 and page.file.src_uri != "guide.md":
+        for folder in RESULTS:
+            markdown = markdown.replace(f"](../{folder}/", f"]({folder}/")
+        markdown = markdown.replace("](../README.md", "](guide.md")
+    return markdown
 
 
 def public_modules() -> list[str]:

@@ -1,8 +1,8 @@
-"""The README's experiments section quotes only measured numbers: every decimal number in the
-paragraph of an experiment (the text that links experiments/results/NAME.md), and every whole
-number written with thousands separators (2,503), is one of the numbers in the committed
+"""The experiments guide (docs/experiments.md) quotes only measured numbers: every decimal number
+in the paragraph of an experiment (the text that links experiments/results/NAME.md), and every
+whole number written with thousands separators (2,503), is one of the numbers in the committed
 experiments/results/NAME.json, rounded as written (a percentage as 100 x the number). A
-result that is rerun and changes then fails here until the README follows.
+result that is rerun and changes then fails here until the guide follows.
 """
 
 from __future__ import annotations
@@ -19,11 +19,14 @@ NUMBER = re.compile(r"(?<![\w.,])(\d{1,3}(?:,\d{3})+|\d+\.\d+)(%?)")
 LINK = re.compile(r"experiments/results/(\w+)\.md")
 
 
+GUIDE = ROOT / "docs" / "experiments.md"
+
+
 def experiments_section() -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index("\n## Experiments\n")
-    end = text.find("\n## ", start + 1)
-    return text[start:end if end != -1 else None]
+    """The guide, which holds nothing but the experiments."""
+    text = GUIDE.read_text()
+    assert text.startswith("# Experiments\n"), f"{GUIDE} is no longer the experiments guide"
+    return text
 
 
 def paragraphs() -> list[tuple[str, str]]:
@@ -49,7 +52,8 @@ def numbers_in(tree) -> list[float]:
 def test_every_published_result_is_quoted():
     quoted = {name for name, _ in paragraphs()}
     published = {path.stem for path in RESULTS.glob("*.json")}
-    assert published <= quoted, f"results without a README paragraph: {published - quoted}"
+    missing = published - quoted
+    assert not missing, f"results without a paragraph in docs/experiments.md: {missing}"
 
 
 @pytest.mark.parametrize(("name", "paragraph"), paragraphs(), ids=lambda x: x[:30])
@@ -60,4 +64,4 @@ def test_quoted_numbers_are_in_the_results(name, paragraph):
         value = float(text.replace(",", "")) / (100 if percent else 1)
         tolerance = 0.5 * 10 ** -decimals / (100 if percent else 1) + 1e-12
         assert any(abs(m - value) <= tolerance for m in measured), (
-            f"{text}{percent} in the README's {name} paragraph is not in {name}.json")
+            f"{text}{percent} in docs/experiments.md's {name} paragraph is not in {name}.json")

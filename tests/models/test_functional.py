@@ -1,6 +1,6 @@
 """tfx.models.functional.pure: a model as a pure function inside jax.jit / jax.grad.
 
-The README's "Functional use" block is run as written, and on every preset (shrunk): its
+The "Functional use" block of docs/models.md is run as written, and on every preset (shrunk): its
 gradients are finite; in evaluation mode (rng=None) they equal `nnx.grad` of the module after
 `model.eval()`; in training mode they depend on the key alone (dropout), and a model
 with experts gets the gradient of its routing loss too (against `nnx.grad` of the module plus
@@ -24,8 +24,8 @@ import tfx.models as models
 from tfx.models.expert_losses import moe_losses
 from tfx.models.functional import pure
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
-MARK = "apply, params, rest = pure(model)"  # the line that identifies the README block
+GUIDE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "models.md"
+MARK = "apply, params, rest = pure(model)"  # the line that identifies the guide's block
 SMALL = dict(num_layers=1, d_model=32, num_heads=4, d_ff=64, vocab_size=32)
 # Presets whose shape needs one more override to shrink: the experts' width.
 EXTRA = {"char-moe": {"moe": {"d_ff": 32}}}
@@ -33,14 +33,14 @@ DEEPSEEK = {"moe": {"d_ff": 32, "policy": "deepseek", "jitter": 0.1}, "dropout":
 
 
 def readme_block() -> str:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.DOTALL)
     found = [block for block in blocks if MARK in block]
-    assert len(found) == 1, f"README.md needs exactly one python block with {MARK!r}"
+    assert len(found) == 1, f"docs/models.md needs exactly one python block with {MARK!r}"
     return found[0]
 
 
 def run_readme_block(model=None, call=None) -> dict:
-    """Execute the README block; with `model`, on that model instead of its own, and with the
+    """Execute the guide's block; with `model`, on that model instead of its own, and with the
     family's extra call arguments `call(ids)` (an encoder–decoder's decoder_input_ids)."""
     code = readme_block()
     if model is not None:
@@ -48,9 +48,9 @@ def run_readme_block(model=None, call=None) -> dict:
                              flags=re.DOTALL | re.MULTILINE)
         code, called = re.subn(re.escape("apply(params, rest, ids, rng=rng)"),
                                "apply(params, rest, ids, rng=rng, **CALL(ids))", code)
-        assert made == called == 1, "the README block no longer has the lines this test swaps"
+        assert made == called == 1, "the guide's block no longer has the lines this test swaps"
     namespace = {"MODEL": model, "CALL": call or (lambda ids: {})}
-    exec(compile(code, str(README), "exec"), namespace)
+    exec(compile(code, str(GUIDE), "exec"), namespace)
     return namespace
 
 
@@ -64,7 +64,7 @@ def call_args(model, ids) -> dict:
 
 
 def cross_entropy(logits, ids):
-    """The README block's loss without the auxiliary term."""
+    """The guide block's loss without the auxiliary term."""
     return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
 
 

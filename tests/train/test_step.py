@@ -19,7 +19,14 @@ from tfx.train.experts import expert_loads
 from tfx.train.losses import causal_lm, sequence_to_sequence
 from tfx.train.objectives import get_objective
 from tfx.train.optim import make_optimizer
-from tfx.train.step import finish_eval, init_train_state, make_eval_step, make_train_step
+from tfx.train.step import (
+    finish_eval,
+    init_train_state,
+    initial_state,
+    make_eval_step,
+    make_train_step,
+    restore_template,
+)
 
 
 def _setup(name, **model_changes):
@@ -151,3 +158,17 @@ def test_deepseek_selection_bias_moves_by_the_rate_not_by_the_optimiser():
     np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)
     assert np.abs(bias).max() > 0 and np.abs(steps).max() <= 3 + 1e-4
     assert np.isfinite(metrics["loss"])
+
+
+def test_restore_template_of_a_state_or_of_a_traced_builder():
+    e, model, _ = _setup("gpt_char")
+    state = initial_state(e, model)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    built = []
+    traced = restore_template(lambda: built.append(1) or initial_state(e, model), device)
+    held = restore_template(state)
+    assert built == [1] and jax.tree.structure(traced) == jax.tree.structure(held)
+    for a, b, array in zip(jax.tree.leaves(traced), jax.tree.leaves(held),
+                           jax.tree.leaves(state.to_dict()), strict=True):
+        assert isinstance(a, jax.ShapeDtypeStruct) and (a.shape, a.dtype) == (b.shape, b.dtype)
+        assert a.sharding == device and b.sharding == array.sharding

@@ -95,8 +95,11 @@ def beam_search(model: Decoder | EncoderDecoder, input_ids, *, num_beams: int,
       num_return_sequences: best hypotheses returned per input, 1 <= n <= num_beams.
       return_scores: also return the hypotheses' length-penalised scores.
       return_lengths: also return each hypothesis' length.
-      repetition_penalty, no_repeat_ngram_size, min_new_tokens, bad_words_ids: logits
-        processors, as in `tfx.generate`, applied to every beam's log-probabilities.
+      repetition_penalty: a logits processor, as in `tfx.generate`, applied to every beam's
+        log-probabilities.
+      no_repeat_ngram_size: a logits processor, as repetition_penalty.
+      min_new_tokens: a logits processor, as repetition_penalty.
+      bad_words_ids: a logits processor, as repetition_penalty.
     Returns:
       int32 [batch * num_return_sequences, head + max_new_tokens], best hypothesis first within
       each input: head columns (a decoder's prompt as given, padding included; an

@@ -71,11 +71,13 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
         share one compiled program.
       return_lengths: also return each row's length (the numpy convention of
         `return_index=`-style flags: the result becomes a tuple).
-      repetition_penalty, no_repeat_ngram_size, min_new_tokens, bad_words_ids: logits
-        processors with transformers' names and meanings, applied in its order before the
-        temperature / top-k / top-p (`tfx.generation.processors`). They see a row's real
-        tokens only: its prompt without padding (for an encoder–decoder, the decoder start
-        token), then the new tokens. min_new_tokens needs eos_token_id.
+      repetition_penalty: a logits processor with transformers' name and meaning, as the
+        next three, applied in its order before the temperature / top-k / top-p
+        (`tfx.generation.processors`). They see a row's real tokens only: its prompt without
+        padding (for an encoder–decoder, the decoder start token), then the new tokens.
+      no_repeat_ngram_size: a logits processor, as repetition_penalty.
+      min_new_tokens: a logits processor, as repetition_penalty; needs eos_token_id.
+      bad_words_ids: a logits processor, as repetition_penalty.
       stop_sequences: token id sequences; a row whose newest tokens complete one ends there,
         as with EOS (the sequence stays, `pad_token_id` follows). It may begin in the prompt.
     Returns:

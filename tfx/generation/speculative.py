@@ -81,8 +81,17 @@ def speculative_generate(target: Decoder, draft: Decoder, input_ids, *, max_new_
       draft: a cheaper Decoder with the same vocabulary (e.g. `early_exit_draft(target, n)` or a
         smaller trained model).
       num_draft_tokens: k, tokens the draft proposes per round (int >= 1).
-      input_ids, max_new_tokens, temperature, top_k, top_p, rng, attention_mask, eos_token_id,
-        pad_token_id, bucket, return_lengths: as in `tfx.generate`.
+      input_ids: as in `tfx.generate`.
+      max_new_tokens: as in `tfx.generate`.
+      temperature: as in `tfx.generate`.
+      top_k: as in `tfx.generate`.
+      top_p: as in `tfx.generate`.
+      rng: as in `tfx.generate`.
+      attention_mask: as in `tfx.generate`.
+      eos_token_id: as in `tfx.generate`.
+      pad_token_id: as in `tfx.generate`.
+      bucket: as in `tfx.generate`.
+      return_lengths: as in `tfx.generate`.
       return_stats: also return a `SpeculativeStats` (last in the tuple).
     Returns:
       int32 [batch, prompt_len + max_new_tokens] as `tfx.generate`; with return_lengths and/or

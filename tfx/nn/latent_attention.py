@@ -69,7 +69,8 @@ class LatentAttention(nnx.Module):
         docstring); None picks the cheaper per call. A kv_b that is not a plain `nnx.Linear`
         (rewritten, e.g. by fine-tuning, so its kernel may not be all of its weight) always
         runs expanded.
-      implementation, block_sizes: as in `tfx.nn.Attention`.
+      implementation: as in `tfx.nn.Attention`.
+      block_sizes: as in `tfx.nn.Attention`.
       dtype: compute dtype; param_dtype: storage dtype of the weights.
     """
 
@@ -133,9 +134,13 @@ class LatentAttention(nnx.Module):
           cache: `KVLayer(layer, step)` with `layer` a `LatentKV` (a layer of
             `tfx.ops.kv_cache.init_latent_cache`) and the call's `CacheStep`, which then
             supplies positions and the mask; or None.
-          mask, bias, is_causal, sparsity, query_segment_ids, key_segment_ids: as in
-            `tfx.ops.dot_product_attention` (over the attended keys: with a cache, pass
-            is_causal=False and let its step's mask decide).
+          mask: as in `tfx.ops.dot_product_attention`, over the attended keys (with a
+            cache, pass is_causal=False and let its step's mask decide); so are the next five.
+          bias: as in `tfx.ops.dot_product_attention`.
+          is_causal: as in `tfx.ops.dot_product_attention`.
+          sparsity: as in `tfx.ops.dot_product_attention`.
+          query_segment_ids: as in `tfx.ops.dot_product_attention`.
+          key_segment_ids: as in `tfx.ops.dot_product_attention`.
         Returns:
           [batch, q_len, d_model]; with a cache, also the layer's next `LatentKV`.
         """

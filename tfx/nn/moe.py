@@ -70,8 +70,9 @@ class MoE(nnx.Module):
         output is added to the routed experts' (DeepSeek).
       renormalize: divide each token's k weights by their sum; None: when k > 1
         (transformers' norm_topk_prob).
-      num_groups, groups_per_token: DeepSeek-V3's group-limited routing ("deepseek"):
-        each token's experts come from its groups_per_token best of num_groups groups.
+      num_groups: DeepSeek-V3's group-limited routing ("deepseek"): each token's experts
+        come from its groups_per_token best of num_groups groups.
+      groups_per_token: see num_groups.
       routed_scale: factor of the routed experts' weights (routed_scaling_factor).
       dtype: compute dtype of the experts (the router always computes in float32).
     """

@@ -115,8 +115,14 @@ def blocked_attention_backward(query, key, value, inputs: ScoreInputs, out, log_
     """Gradients of one key set's share of an attention whose rows may span other key sets.
 
     Args:
-      query, key, value, inputs, plan, block_q, block_k, softcap: as
-        `blocked_attention_forward`.
+      query: as in `blocked_attention_forward`.
+      key: as in `blocked_attention_forward`.
+      value: as in `blocked_attention_forward`.
+      inputs: as in `blocked_attention_forward`.
+      plan: as in `blocked_attention_forward`.
+      block_q: as in `blocked_attention_forward`.
+      block_k: as in `blocked_attention_forward`.
+      softcap: as in `blocked_attention_forward`.
       out: float32 [B, K, G, T, Dv], the output of the *whole* attention (every key set).
       log_sum_exp: float32 [B, K, G, T], its softmax normaliser over every key set.
       d_out: [B, K, G, T, Dv], the gradient of `out`.

@@ -113,7 +113,9 @@ def ban_sequences(logits: jax.Array, history: jax.Array, valid: jax.Array, end: 
 
     Args:
       logits: float [batch, vocab].
-      history, valid, end: as in `ends_with`.
+      history: as in `ends_with`.
+      valid: as in `ends_with`.
+      end: as in `ends_with`.
       sequences: int [count, width >= 1], right-aligned, -1 before a shorter one's tokens.
     Returns:
       float32 [batch, vocab].

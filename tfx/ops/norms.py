@@ -28,7 +28,8 @@ def layer_norm(x: jax.Array, scale: jax.Array | None = None, bias: jax.Array | N
 
     Args:
       x: float [..., features].
-      scale, bias: [features] or None (no scale, no bias).
+      scale: [features] or None (no scale).
+      bias: [features] or None (no bias).
       epsilon: float > 0, added to the variance.
       dtype: of the result; None: the promotion of x's and the parameters' dtypes (Flax's
         rule: a bfloat16 x with float32 parameters gives float32).

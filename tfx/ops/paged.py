@@ -132,7 +132,8 @@ def write_pages(layer: PagedKV, key: jax.Array, value: jax.Array, step: PagedSte
 
     Args:
       layer: the layer's pools, [num_kv_heads, num_pages, page_size, head_dim] each.
-      key, value: [batch, q_len, num_kv_heads, head_dim], key already rotated at its position.
+      key: [batch, q_len, num_kv_heads, head_dim], already rotated at its position.
+      value: [batch, q_len, num_kv_heads, head_dim].
       step: from `PagedCache.plan`.
     Returns:
       the updated PagedKV.
@@ -157,7 +158,12 @@ def init_paged_cache(*, num_layers: int, num_pages: int, page_size: int, batch: 
     """Empty page pools and a page table with no page assigned.
 
     Args:
-      num_layers, num_pages, page_size, batch, num_kv_heads, head_dim: positive ints.
+      num_layers: int >= 1.
+      num_pages: pages per layer's pool, int >= 1.
+      page_size: tokens per page, int >= 1.
+      batch: rows of the page table, int >= 1.
+      num_kv_heads: int >= 1.
+      head_dim: int >= 1.
       pages_per_seq: the page table's width: a sequence holds at most pages_per_seq * page_size
         tokens.
       dtype: of the pools.

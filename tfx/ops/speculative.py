@@ -30,8 +30,9 @@ def token_probs(logits: jax.Array, *, temperature: jax.Array, top_k: jax.Array |
     Args:
       logits: float [..., vocab].
       temperature: float scalar >= 0; 0 gives the one-hot of the argmax (greedy).
-      top_k, top_p: as in `tfx.ops.sampling.filter_logits` (None: off); applied after the
+      top_k: as in `tfx.ops.sampling.filter_logits` (None: off); applied after the
         temperature, as the sampler does.
+      top_p: as in `tfx.ops.sampling.filter_logits` (None: off), after top_k.
     Returns:
       float32 [..., vocab]: softmax(filter(logits / temperature)), or one-hot at temperature 0.
     """

@@ -57,7 +57,8 @@ def choose_block_sizes(spec: SparsitySpec | None, q_len: int, kv_len: int) -> tu
     Args:
       spec: the static mask (causal and sparse parts, `tfx.ops.attention.static_spec`), or
         None when every pair is visible.
-      q_len, kv_len: the unpadded lengths, >= 1.
+      q_len: the unpadded query length, >= 1.
+      kv_len: the unpadded key length, >= 1.
     """
     if spec is None:
         return min(BLOCK_Q, q_len), min(BLOCK_K, kv_len)

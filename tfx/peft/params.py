@@ -16,7 +16,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
 from tfx.nn.paths import path_name
+from tfx.peft.adapters import Adapters
 from tfx.peft.core import PeftParam
+from tfx.peft.lora import LoRA
+from tfx.peft.prefix import Prefix
+from tfx.peft.prompt import SoftPrompt
 
 __all__ = ["count", "load", "only_peft", "save"]
 
@@ -104,12 +108,15 @@ def _moved_prompt(tensors: dict, want: dict) -> dict:
     return {new[0] if name == "prompt/vectors" else name: t for name, t in tensors.items()}
 
 
-def _method_from(stored: str):
-    from tfx import peft
+# The methods a saved file can name, by class name (as `save` writes it).
+METHODS = {cls.__name__: cls for cls in (LoRA, SoftPrompt, Prefix, Adapters)}
 
+
+def _method_from(stored: str):
     data = json.loads(stored)
-    cls = getattr(peft, data["type"], None)
-    if cls is None or not dataclasses.is_dataclass(cls):
-        raise ValueError(f"unknown PEFT method {data['type']!r} in the file")
+    cls = METHODS.get(data["type"])
+    if cls is None:
+        raise ValueError(f"unknown PEFT method {data['type']!r} in the file; known: "
+                         f"{sorted(METHODS)}")
     settings = {k: tuple(v) if isinstance(v, list) else v for k, v in data["settings"].items()}
     return cls(**settings)

@@ -29,7 +29,7 @@ import jinja2.sandbox
 import jinja2.utils
 import numpy as np
 
-from tfx.train.data import HFTokenizer
+from tfx.train.tokens import HFTokenizer
 
 __all__ = ["SPECIAL_TOKEN_NAMES", "ChatTokenizer"]
 

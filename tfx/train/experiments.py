@@ -40,9 +40,8 @@ __all__ = ["DEFAULT_EXPERIMENT", "EXPERIMENTS", "get_experiment"]
 
 DEFAULT_EXPERIMENT = "gpt_char"
 
-# Byte-level vocabularies: ids 0..255 are bytes; special tokens follow (see tfx.train.data).
-MLM_SPECIALS = ("[PAD]", "[CLS]", "[SEP]", "[MASK]")
-SEQ2SEQ_SPECIALS = ("[PAD]", "[BOS]", "[EOS]")
+# Byte-level vocabularies: ids 0..255 are bytes, the special tokens follow
+# (tfx.train.tokens.MLM_SPECIALS and SEQ2SEQ_SPECIALS; the feeds check the ids named here).
 
 _GPT_CHAR = Experiment(
     name="gpt_char", objective="causal_lm", model=PRESETS["char-gpt"],
@@ -52,7 +51,7 @@ _GPT_CHAR = Experiment(
 
 _BERT_MLM = Experiment(
     name="bert_mlm", objective="mlm",
-    model=EncoderConfig(vocab_size=256 + len(MLM_SPECIALS), d_model=256, num_layers=4,
+    model=EncoderConfig(vocab_size=256 + 4, d_model=256, num_layers=4,
                         num_heads=4, d_ff=1024, max_len=128, position="learned",
                         norm=NormConfig(kind="layer", eps=1e-12, pre_norm=False),
                         mlp=MlpConfig(activation="gelu"), dropout=0.0,
@@ -64,7 +63,7 @@ _BERT_MLM = Experiment(
 
 _SEQ2SEQ_REVERSE = Experiment(
     name="seq2seq_reverse", objective="seq2seq",
-    model=EncoderDecoderConfig(vocab_size=256 + len(SEQ2SEQ_SPECIALS), d_model=128,
+    model=EncoderDecoderConfig(vocab_size=256 + 3, d_model=128,
                                num_layers=2, num_heads=4, d_ff=512, max_len=64,
                                position="sinusoidal", norm=NormConfig(kind="layer", eps=1e-6),
                                mlp=MlpConfig(activation="relu"), decoder_start_token_id=257,

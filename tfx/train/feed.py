@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tfx.train.data import Tokenizer, load_corpus, load_tokenizer, mlm_batch
-from tfx.train.experiments import MLM_SPECIALS
 from tfx.train.tasks import SyntheticTask
+from tfx.train.tokens import MLM_SPECIALS
 
 if TYPE_CHECKING:
     from tfx.train.config import Experiment

@@ -54,6 +54,7 @@ from tfx.train.step import (
     init_train_state,
     make_eval_step,
     make_train_step,
+    restore_template,
 )
 
 __all__ = ["DivergenceError", "TrainResult", "Trainer", "train"]
@@ -164,10 +165,7 @@ class Trainer:
         strict: refuse a damaged newest checkpoint (`CorruptCheckpointError`) instead of
           falling back to an older step, as evaluation and sampling do.
         """
-        template = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-            self.state.to_dict())
-        restored = self.checkpoints.restore(template, strict=strict)
+        restored = self.checkpoints.restore(restore_template(self.state), strict=strict)
         if restored is None:
             return 0
         step, values = restored

@@ -124,8 +124,7 @@ def _run_params(workdir: Path, model):
     from tfx.models.presets import create
     from tfx.train.checkpoint import Checkpoints
     from tfx.train.config import run_identity, stored_identity
-    from tfx.train.optim import make_optimizer
-    from tfx.train.step import init_train_state
+    from tfx.train.step import initial_state, restore_template
 
     path = workdir / "checkpoints" / "config.json"
     if not path.is_file():
@@ -138,14 +137,9 @@ def _run_params(workdir: Path, model):
         raise ValueError(f"train.init_from: {workdir} trained only {base.peft.method} "
                          "parameters; start from a run that trained every weight")
 
-    def abstract_state():
-        trained = create(base.model, rngs=nnx.Rngs(0))
-        optimizer = make_optimizer(base.optim, base.train.steps)
-        return init_train_state(trained, optimizer, seed=0)[2].to_dict()
-
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-                            jax.eval_shape(abstract_state))
+    template = restore_template(
+        lambda: initial_state(base, create(base.model, rngs=nnx.Rngs(0))), device)
     with Checkpoints(path.parent, config=run_identity(base), read_only=True,
                      stored_form=stored_identity) as checkpoints:
         restored = checkpoints.restore(template, strict=True)  # never silently an older step

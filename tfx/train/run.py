@@ -34,9 +34,8 @@ from tfx.train.config import (
 )
 from tfx.train.data import Tokenizer
 from tfx.train.objectives import get_objective
-from tfx.train.optim import make_optimizer
 from tfx.train.pretrained import pretrained_params
-from tfx.train.step import init_train_state
+from tfx.train.step import initial_state, restore_template
 
 __all__ = ["Run", "initial_model", "load_run", "stored_experiment"]
 
@@ -78,9 +77,7 @@ def load_run(workdir: str | Path, *, step: int | None = None) -> Run:
     # This process's first device: in a multi-process run jax.devices()[0] belongs to
     # process 0, and every process loads the run for itself.
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    template = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-        jax.eval_shape(lambda: _train_state(experiment, model, trainable)))
+    template = restore_template(lambda: initial_state(experiment, model, trainable), device)
     directory = Path(workdir) / "checkpoints"
     with Checkpoints(directory, config=run_identity(experiment), read_only=True,
                      stored_form=stored_identity) as checkpoints:
@@ -135,10 +132,3 @@ def initial_model(experiment: Experiment, *, base_weights: bool = True,
     experiment.peft.prepare_base(model)  # e.g. QLoRA's quantized base
     method.attach(model, rngs=nnx.Rngs(t.seed + 1))  # fine-tune only what the method adds
     return model, PeftParam
-
-
-def _train_state(experiment: Experiment, model: nnx.Module, trainable) -> dict:
-    """The checkpointed state at step 0 (traced by `jax.eval_shape` only: its shapes)."""
-    optimizer = make_optimizer(experiment.optim, experiment.train.steps)
-    return init_train_state(model, optimizer, seed=experiment.train.seed,
-                            trainable=trainable)[2].to_dict()

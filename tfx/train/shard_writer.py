@@ -23,7 +23,6 @@ import numpy as np
 import tokenizers
 
 from tfx.train import data as _data
-from tfx.train.data import ByteTokenizer, Text
 from tfx.train.shards import (
     MANIFEST,
     SEPARATOR,
@@ -33,6 +32,7 @@ from tfx.train.shards import (
     shard_dtype,
     tokenizer_identity,
 )
+from tfx.train.tokens import ByteTokenizer, Text, _check_int
 
 __all__ = ["tokenize_to_shards"]
 
@@ -223,7 +223,7 @@ def tokenize_to_shards(sources: Sequence[str | os.PathLike], tokenizer, out_dir,
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     sources = [sources] if isinstance(sources, str | os.PathLike) else list(sources)
-    shard_tokens = _data._check_int("shard_tokens", shard_tokens, 1)
+    shard_tokens = _check_int("shard_tokens", shard_tokens, 1)
     identity, name = tokenizer_identity(tokenizer)
     vocab = tokenizer.vocab_size
     dtype = shard_dtype(vocab)

@@ -28,8 +28,7 @@ import warnings
 
 import numpy as np
 
-from tfx.train import data as _data
-from tfx.train.data import ByteTokenizer, HFTokenizer, TokenStream
+from tfx.train.tokens import ByteTokenizer, HFTokenizer, TokenStream, _check_int
 
 __all__ = ["Manifest", "ShardStream", "even_row_range", "is_shard_folder", "load_shard_corpus",
            "open_shards", "read_manifest", "shard_dtype", "tokenizer_identity"]
@@ -162,7 +161,7 @@ def even_row_range(batch_size: int, process_index: int, process_count: int) -> t
     """[start, stop) of process `process_index`'s rows when a batch is cut into equal
     contiguous blocks, one per process: what `tfx.parallel.process_row_range` gives for a batch
     sharding over devices in process order (as jax.devices() lists them), as many per process."""
-    process_count = _data._check_int("process_count", process_count, 1)
+    process_count = _check_int("process_count", process_count, 1)
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index must be in [0, {process_count}), got {process_index}")
     if batch_size % process_count:

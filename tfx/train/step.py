@@ -24,11 +24,12 @@ import optax
 from flax import nnx
 
 from tfx.nn.paths import path_name
-from tfx.train.config import TrainConfig
+from tfx.train.config import Experiment, TrainConfig
 from tfx.train.experts import MOE_METRICS, add_moe_losses, balance_experts, expert_loads
+from tfx.train.optim import make_optimizer
 
 __all__ = ["MOE_METRICS", "NonFinite", "TrainState", "finish_eval", "init_train_state",
-           "make_eval_step", "make_train_step"]
+           "initial_state", "make_eval_step", "make_train_step", "restore_template"]
 
 _TRAIN = TrainConfig()  # the defaults of the MoE training settings
 
@@ -100,6 +101,32 @@ def init_train_state(model: nnx.Module, optimizer: optax.GradientTransformation,
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, frozen=frozen,
                        opt_state=optimizer.init(params), rng=rng, nonfinite=NonFinite.zeros())
     return graphdef, rest, state
+
+
+def initial_state(experiment: Experiment, model: nnx.Module,
+                  trainable: nnx.filterlib.Filter = nnx.Param) -> TrainState:
+    """The TrainState at step 0 of a run of `experiment` that trains `model` (its optimiser
+    and seed), as `init_train_state` makes it."""
+    optimizer = make_optimizer(experiment.optim, experiment.train.steps)
+    return init_train_state(model, optimizer, seed=experiment.train.seed,
+                            trainable=trainable)[2]
+
+
+def restore_template(state: TrainState | Callable[[], TrainState],
+                     sharding: jax.sharding.Sharding | None = None) -> dict:
+    """What `Checkpoints.restore` reads a step into: a `jax.ShapeDtypeStruct` per array of the
+    checkpointed state (`TrainState.to_dict`).
+
+    Args:
+      state: the train state; or a function that makes it, then only traced (`jax.eval_shape`):
+        no weights or optimiser moments are allocated.
+      sharding: where every array is read to; None: where the array of `state` lies.
+    """
+    if callable(state):
+        state = jax.eval_shape(state)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=x.sharding if sharding is None else sharding),
+        state.to_dict())
 
 
 def _merge(graphdef, params, frozen, rest, rng, *, train: bool):

@@ -21,7 +21,7 @@ import re
 
 import numpy as np
 
-from tfx.train.data import ByteTokenizer, _check_int
+from tfx.train.tokens import SEQ2SEQ_SPECIALS, ByteTokenizer, _check_int
 
 __all__ = ["TASKS", "SyntheticTask"]
 
@@ -59,7 +59,7 @@ class SyntheticTask:
     min_len: int = 4
     max_len: int = 16
     tokenizer: ByteTokenizer = dataclasses.field(
-        init=False, repr=False, default=ByteTokenizer(specials=("[PAD]", "[BOS]", "[EOS]")))
+        init=False, repr=False, default=ByteTokenizer(specials=SEQ2SEQ_SPECIALS))
 
     def __post_init__(self):
         if self.name not in TASKS:

@@ -105,8 +105,11 @@ def expert_parallel_moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertW
       jitter: as in `route`.
       priority: as in `route`.
       selection_bias: as in `route`, replicated.
-      renormalize, num_groups, groups_per_token, routed_scale: as in `route` (each token's
-        groups are its own, so they do not depend on the split).
+      renormalize: as in `route`.
+      num_groups: as in `route` (each token's groups are its own, so they do not depend on
+        the split).
+      groups_per_token: as in `route`.
+      routed_scale: as in `route`.
       token_mask: [tokens] bool, split like x; as in `route`.
       rng: folded with the group's index, so that the groups draw different noise.
       activation: a key of tfx.ops.activations.ACTIVATIONS.
