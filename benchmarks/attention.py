@@ -34,8 +34,8 @@ from timing import (
 )
 
 from tfx.ops import dot_product_attention, sparse
-from tfx.ops.blocked_attention import BLOCK_K, BLOCK_Q
-from tfx.ops.tile_sizes import choose_pieces
+from tfx.ops.attention.blocked_attention import BLOCK_K, BLOCK_Q
+from tfx.ops.attention.tile_sizes import choose_pieces
 from tfx.train.host_memory import keep_freed_memory
 
 HEADS, HEAD_DIM = 8, 64
@@ -227,9 +227,10 @@ def render(results: dict) -> str:
                                   for r in results["memory"]])]
     if "sparse" in results:
         lines += ["", "## Sparse patterns, forward, float32 (ms)", "",
-                  "tfx sparse runs the passes and tiles `tfx.ops.tile_sizes.choose_pieces` "
-                  "chooses (column tiles: a strided pattern's strided pairs run in residue "
-                  "order); the column before it, one pass on the fixed "
+                  "tfx sparse runs the passes and tiles "
+                  "`tfx.ops.attention.tile_sizes.choose_pieces` chooses (column tiles: a "
+                  "strided pattern's strided pairs run in residue order); the column before "
+                  "it, one pass on the fixed "
                   f"{DEFAULT_TILES[0]} x {DEFAULT_TILES[1]} tiles. Goal (issue 22): sparse/full "
                   "<= 2 x ideal + 0.02.", "",
                   markdown_table(["pattern", "N", "tiles", f"tfx sparse, {DEFAULT_TILES}",

@@ -4,10 +4,10 @@
     python benchmarks/attention_floor.py --quick          # N = 1024, float32, 1 repeat
     python benchmarks/attention_floor.py --json benchmarks/results/attention_floor.json
 
-For causal attention over [1, N, 8 heads, 64] on the tiles `tfx.ops.tile_sizes` chooses, the
-plan's visited tiles are sliced and multiplied exactly as the kernel does (jit, a loop over the
-tiles, dynamic slices), with nothing else: QKᵀ and PV for the forward pass, and the five
-products of the backward (QKᵀ again, dO·Vᵀ, Pᵀ·dO, dSᵀ·Q, dS·K) on top for forward+backward.
+For causal attention over [1, N, 8 heads, 64] on the tiles `tfx.ops.attention.tile_sizes`
+chooses, the plan's visited tiles are sliced and multiplied exactly as the kernel does (jit, a
+loop over the tiles, dynamic slices), with nothing else: QKᵀ and PV for the forward pass, and the
+five products of the backward (QKᵀ again, dO·Vᵀ, Pᵀ·dO, dSᵀ·Q, dS·K) on top for forward+backward.
 No exp, max, sum or mask. Beside it: torch.bmm on the same tiles, tfx's whole kernel and
 torch's `scaled_dot_product_attention` (its CPU flash kernel). When the products alone take as
 long as torch's whole attention, no reordering of the softmax passes around them closes the gap.
@@ -32,8 +32,8 @@ from timing import (
 )
 
 from tfx.ops.attention import static_spec
-from tfx.ops.block_plan import block_plan
-from tfx.ops.tile_sizes import choose_block_sizes
+from tfx.ops.attention.block_plan import block_plan
+from tfx.ops.attention.tile_sizes import choose_block_sizes
 
 FORWARD, BACKWARD = 2, 5  # tile products per visited tile
 

@@ -38,7 +38,7 @@ from timing import (
 )
 
 from tfx.ops import dot_product_attention
-from tfx.ops.context_parallel import context_parallel_attention
+from tfx.ops.attention.context_parallel import context_parallel_attention
 from tfx.ops.sparse import Causal
 from tfx.parallel import make_mesh
 

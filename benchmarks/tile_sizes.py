@@ -8,8 +8,9 @@ Each case (a static mask, N, forward or forward+backward; 8 heads of 64, float32
 `tfx.ops.dot_product_attention(implementation="blocked")` on every tile size of `SIZES`, forced
 with `block_sizes`. A row gives the median time, the pairs the kernel visits (visited tiles x
 tile size, from the mask's exact block layout), the time per visited pair, and that time
-relative to the default 256 x 512 tiles: the numbers `tfx.ops.tile_sizes.PAIR_COST` is read
-from. The last columns say which size was fastest and which one `choose_block_sizes` picks.
+relative to the default 256 x 512 tiles: the numbers
+`tfx.ops.attention.tile_sizes.PAIR_COST` is read from. The last columns say which size was
+fastest and which one `choose_block_sizes` picks.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from timing import (
 )
 
 from tfx.ops import dot_product_attention, sparse
-from tfx.ops.tile_sizes import choose_block_sizes
+from tfx.ops.attention.tile_sizes import choose_block_sizes
 
 HEADS, HEAD_DIM = 8, 64
 SIZES = ((256, 512), (128, 256), (128, 128), (64, 64))

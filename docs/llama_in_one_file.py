@@ -12,7 +12,7 @@ Where each piece lives in tfx:
   one layer       tfx/models/block.py (Block): x + attention(norm(x)), then x + mlp(norm(x))
   rms_norm        tfx/ops/norms.py
   apply_rope      tfx/ops/positional/rope.py (layout "half"), used by tfx/nn/positions.py
-  attention       tfx/nn/attention.py (Attention); the kernel in tfx/ops/attention.py
+  attention       tfx/nn/attention.py (Attention); the kernels in tfx/ops/attention/
   mlp             tfx/nn/mlp.py (MLP with gated=True, activation="silu")
 
 The weights are a flat dict keyed by tfx's own parameter paths (`tfx.nn.paths.path_name`), so

@@ -28,9 +28,9 @@ import jax
 import numpy as np
 
 from tfx.models.config import compute_dtype
+from tfx.ops.attention.tile_sizes import visited_pairs
 from tfx.ops.backends import AttentionCase, select_attention
 from tfx.ops.sparse import Causal, parse_spec
-from tfx.ops.tile_sizes import visited_pairs
 from tfx.train.config import TrainConfig
 from tfx.train.experiments import get_experiment
 
@@ -71,7 +71,7 @@ def mask_facts(model, spec_text: str | None, context: int) -> dict:
     """How much of causal attention a pattern keeps: attended_fraction, the attended share of
     the causal (query, key) pairs; kernel, the attention kernel that runs on this platform;
     tile_fraction, for the blocked kernel, the pairs it computes (its visited tiles, on the
-    pieces and tiles it chooses: `tfx.ops.tile_sizes.visited_pairs`) as a share of causal
+    pieces and tiles it chooses: `tfx.ops.attention.tile_sizes.visited_pairs`) as a share of causal
     attention's."""
     causal = Causal()
     spec = causal if spec_text is None else causal & parse_spec(spec_text)

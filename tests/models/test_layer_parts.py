@@ -134,8 +134,8 @@ def test_layer_types_give_each_layer_its_window_and_rope_base():
     model = Decoder(_config(**MIXED), rngs=nnx.Rngs(0))
     sliding, full = model.stack.layers
     assert model.stack.windows == (3, None)
-    assert sliding.attention.position.rope.theta == 10.0
-    assert full.attention.position.rope.theta == 1e4
+    assert sliding.attention.position.theta == 10.0
+    assert full.attention.position.theta == 1e4
     # The same weights as two full layers with theta 1e4 except layer 0: logits must differ.
     same = Decoder(_config(), rngs=nnx.Rngs(0))
     ids = jax.random.randint(jax.random.key(3), (2, SEQ), 0, 50)

@@ -109,11 +109,11 @@ def _projections(module, x):
 def test_rope_and_alibi_use_true_positions():
     """Positions shifted by a constant leave RoPE attention unchanged (relative property) and
     match the op applied by hand; ALiBi equals the op with the written-out bias."""
-    from tfx.nn import ALiBi, Rope, Rotary
+    from tfx.nn import ALiBi, Rotary
     from tfx.ops.positional import alibi_bias, alibi_slopes, apply_rope
 
     x = jax.random.normal(jax.random.key(3), (1, 6, 16))
-    rope = Attention(16, 2, position=Rotary(Rope(theta=500.0)), rngs=nnx.Rngs(0))
+    rope = Attention(16, 2, position=Rotary(theta=500.0), rngs=nnx.Rngs(0))
     positions = jnp.arange(6) + 40
     query, key, value = _projections(rope, x)
     expected = dot_product_attention(apply_rope(query, positions, theta=500.0),

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tfx.nn import KVLayer, LatentAttention, Rope, Rotary, axes
+from tfx.nn import KVLayer, LatentAttention, Rotary, axes
 from tfx.ops import dot_product_attention, sparse
 from tfx.ops.kv_cache import LatentKV, LayerKV, init_cache, init_latent_cache
 
@@ -25,7 +25,7 @@ D_MODEL, HEADS, Q_RANK, RANK, NOPE, ROPE, VALUE = 16, 2, 12, 8, 4, 4, 6
 def _module(q_lora_rank=Q_RANK, layout="interleaved", **kwargs):
     return LatentAttention(
         D_MODEL, HEADS, q_lora_rank=q_lora_rank, kv_lora_rank=RANK, qk_nope_head_dim=NOPE,
-        qk_rope_head_dim=ROPE, v_head_dim=VALUE, position=Rotary(Rope(10000.0, layout)),
+        qk_rope_head_dim=ROPE, v_head_dim=VALUE, position=Rotary(theta=10000.0, layout=layout),
         rngs=nnx.Rngs(0), **kwargs)
 
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tfx.ops import dot_product_attention, sparse
-from tfx.ops.block_plan import block_plan
+from tfx.ops.attention.block_plan import block_plan
 from tfx.ops.masks import length_mask
 
 SPECS = [

@@ -10,7 +10,11 @@ import pytest
 from jax.sharding import AbstractMesh
 
 from tfx.ops import backends
-from tfx.ops.context_parallel import context_parallel_attention, pair_plans, split_sequence
+from tfx.ops.attention.context_parallel import (
+    context_parallel_attention,
+    pair_plans,
+    split_sequence,
+)
 from tfx.ops.sparse import Causal, RandomBlocks, SlidingWindow, Strided
 
 

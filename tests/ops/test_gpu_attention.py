@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from kernel_cases import attention_values_and_grads
 
-from tfx.ops import dot_product_attention, gpu_attention, sparse
-from tfx.ops.gpu_attention import cudnn_mask
+from tfx.ops import dot_product_attention, sparse
+from tfx.ops.attention import gpu as gpu_attention
+from tfx.ops.attention.gpu import cudnn_mask
 
 
 def _inputs(seq, num_heads, num_kv_heads, head_dim=64, batch=2, dtype=jnp.float32):

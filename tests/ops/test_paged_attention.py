@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tfx.ops import backends
+from tfx.ops.attention.paged import BLOCK_TOKENS, paged_attention
 from tfx.ops.paged import PagedKV, init_paged_cache, write_pages
-from tfx.ops.paged_attention import BLOCK_TOKENS, paged_attention
 
 
 def _dense_causal(query, key_pages, value_pages, page_table, positions, scale, softcap=None):

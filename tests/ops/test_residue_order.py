@@ -11,17 +11,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import tfx.ops.attention
+import tfx.ops.attention.blocked
 from tfx.ops import dot_product_attention, sparse
-from tfx.ops.blocked_attention import ScoreInputs
-from tfx.ops.blocked_pieces import Piece, pieced_attention
-from tfx.ops.residue_order import (
+from tfx.ops.attention.blocked_attention import ScoreInputs
+from tfx.ops.attention.blocked_pieces import Piece, pieced_attention
+from tfx.ops.attention.residue_order import (
     StridedHistory,
     from_residue_order,
     strided_parts,
     to_residue_order,
 )
-from tfx.ops.tile_sizes import choose_pieces, strided_pieces, visited_pairs
+from tfx.ops.attention.tile_sizes import choose_pieces, strided_pieces, visited_pairs
 
 
 def _order(length: int, stride: int) -> np.ndarray:
@@ -113,13 +113,13 @@ def test_two_pieces_equal_the_reference(q_len, kv_len, stride, num_kv_heads, gro
 def _two_pieces():
     """The blocked path takes `strided_pieces` whatever they cost. dot_product_attention's
     traces are dropped on entry and exit: a cached one would skip (or keep) the choice."""
-    original = tfx.ops.attention.choose_pieces
-    tfx.ops.attention.choose_pieces = strided_pieces
+    original = tfx.ops.attention.blocked.choose_pieces
+    tfx.ops.attention.blocked.choose_pieces = strided_pieces
     dot_product_attention.clear_cache()
     try:
         yield
     finally:
-        tfx.ops.attention.choose_pieces = original
+        tfx.ops.attention.blocked.choose_pieces = original
         dot_product_attention.clear_cache()
 
 

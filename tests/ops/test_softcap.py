@@ -11,7 +11,7 @@ import pytest
 
 from tfx.ops import backends, dot_product_attention, sparse
 from tfx.ops.attention import cached_attention
-from tfx.ops.context_parallel import context_parallel_attention
+from tfx.ops.attention.context_parallel import context_parallel_attention
 
 SCALE, SOFTCAP = 0.7, 2.0  # scaled scores of std ~3: the cap bends most of them
 

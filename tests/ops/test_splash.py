@@ -14,7 +14,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from kernel_cases import attention_values_and_grads
 
 from tfx.ops import backends, dot_product_attention, sparse
-from tfx.ops.splash import splash_block, splash_mask
+from tfx.ops.attention.splash import splash_block, splash_mask
 
 SPECS = {
     "causal": sparse.Causal(),

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from tfx.ops import dot_product_attention, sparse
-from tfx.ops.blocked_attention import BLOCK_K, BLOCK_Q
-from tfx.ops.tile_sizes import PAIR_COST, choose_block_sizes
+from tfx.ops.attention.blocked_attention import BLOCK_K, BLOCK_Q
+from tfx.ops.attention.tile_sizes import PAIR_COST, choose_block_sizes
 
 BIGBIRD = sparse.SlidingWindow(192) | sparse.GlobalTokens(64) | sparse.RandomBlocks(64, 3)
 DEFAULT = (BLOCK_Q, BLOCK_K)

@@ -21,7 +21,7 @@ import numpy as np
 from _context_parallel_cases import BATCH, CASES, HEAD_DIM, KEY_MASK, SEGMENTS, SEQ
 
 from tfx.ops import dot_product_attention
-from tfx.ops.context_parallel import context_parallel_attention
+from tfx.ops.attention.context_parallel import context_parallel_attention
 from tfx.ops.sparse import Causal
 from tfx.parallel import make_mesh
 

@@ -68,8 +68,9 @@ import math
 
 import numpy as np
 
-from tfx.hf import llama, mixtral, plan
-from tfx.models.config import DecoderConfig, LatentConfig, nested
+from tfx.hf import decoder_parts, mixtral, plan
+from tfx.models import families
+from tfx.models.config import DecoderConfig, LatentConfig
 from tfx.ops.positional import YaRNScaling
 
 __all__ = ["ARCHITECTURES", "HAS_EXPERTS", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf",
@@ -80,15 +81,9 @@ HAS_EXPERTS = True  # its models have experts, `moe` (tfx.hf.save)
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
 # transformers' _keys_to_ignore_on_load_unexpected: the MTP layer of the 61-layer checkpoints
 # (a 62nd real layer is still read: only tensors the model has no place for are ignored).
-IGNORED = (*llama.IGNORED, r"model\.layers\.61\..*")
+IGNORED = (*decoder_parts.IGNORED, r"model\.layers\.61\..*")
+CARD = families.DEEPSEEK_V3  # what every DeepSeek-V3 is: set on load, checked on save
 
-# What every DeepSeek-V3 is, in tfx terms: set on load, checked on save.
-_FIXED = {**llama.PLAIN_PARTS, "position": "rope", "rope.fraction": 1.0, "norm.kind": "rms",
-          "norm.pre_norm": True, "norm.eps": 1e-6, "mlp.gated": True, "mlp.activation": "silu",
-          "attention.pattern": None, "attention.sliding_window": None,
-          "attention.layer_types": None, "attention.out_bias": None, "embeddings.scale": False,
-          "use_bias": False}
-_MOE_FIXED = {"moe.every": 1, "moe.capacity_factor": None, "moe.policy": "deepseek"}
 _LAYOUTS = {True: "interleaved", False: "half"}  # rope_interleave -> rope.layout
 _LATENT_FIELDS = tuple(field.name for field in dataclasses.fields(LatentConfig))
 # Layer i's attention submodules -> DeepseekV3Attention's, with and without q_lora_rank.
@@ -122,14 +117,15 @@ def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
     if hf["num_key_value_heads"] is None:  # DeepseekV3Config: None means num_attention_heads
         hf["num_key_value_heads"] = hf["num_attention_heads"]
     _check_supported(hf, architecture)
-    rope = llama.rope_parameters(hf)
-    config = DecoderConfig(**nested({
-        **llama.common_fields(hf), "attention.num_kv_heads": None, "attention.head_dim": None,
-        **{f"latent.{name}": hf[name] for name in _LATENT_FIELDS},
+    rope = decoder_parts.rope_parameters(hf)
+    sizes = {name: value for name, value in decoder_parts.common_fields(hf).items()
+             if name not in ("attention.num_kv_heads", "attention.head_dim", "norm.eps")}
+    config = decoder_parts.from_card(CARD, {
+        **sizes, **{f"latent.{name}": hf[name] for name in _LATENT_FIELDS},
         "rope.theta": float(rope.get("rope_theta", _DEFAULT_THETA)),
-        "rope.scaling": llama.scaling_from_hf(rope, hf, hf["max_position_embeddings"],
-                                              architecture),
-        "rope.layout": _LAYOUTS[bool(hf["rope_interleave"])], **_moe_fields(hf), **_FIXED}))
+        "rope.scaling": decoder_parts.scaling_from_hf(
+            rope, hf, hf["max_position_embeddings"], architecture),
+        "rope.layout": _LAYOUTS[bool(hf["rope_interleave"])], **_moe_fields(hf)})
     return config.replace(attention={"scale": _scale(config)})
 
 
@@ -155,7 +151,7 @@ def _check_supported(hf: dict, architecture: str) -> None:
             raise ValueError(f"{architecture}: {name} must be an int >= {least}, got {value!r}"
                              + (" (tfx has no zero-width shared expert)"
                                 if name == "n_shared_experts" else ""))
-    rope = llama.rope_parameters(hf)
+    rope = decoder_parts.rope_parameters(hf)
     if rope["rope_type"] not in ("default", "yarn") and rope.get("mscale_all_dim"):
         raise ValueError(f"{architecture}: mscale_all_dim with rope_type={rope['rope_type']!r} "
                          "is not supported (tfx keeps it with YaRN only)")
@@ -169,8 +165,7 @@ def _moe_fields(hf: dict) -> dict:
             "moe.first_dense": hf["first_k_dense_replace"], "moe.num_groups": hf["n_group"],
             "moe.groups_per_token": hf["topk_group"],
             "moe.renormalize": bool(hf["norm_topk_prob"]),
-            "moe.routed_scale": float(hf["routed_scaling_factor"]), "moe.jitter": 0.0,
-            **_MOE_FIXED}
+            "moe.routed_scale": float(hf["routed_scaling_factor"]), "moe.jitter": 0.0}
 
 
 def _scale(config: DecoderConfig) -> float | None:
@@ -191,12 +186,7 @@ def _default_scale(config: DecoderConfig) -> float:
 def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
     """DecoderConfig -> DeepseekV3Config fields; ValueError for what DeepSeek-V3 cannot
     express."""
-    llama.check_fixed(config, architecture, _FIXED)
-    for name in ("latent", "moe"):
-        if getattr(config, name) is None:
-            raise ValueError(f"{architecture} needs latent attention and experts: {name} is "
-                             "None")
-    llama.check_fixed(config, architecture, _MOE_FIXED)
+    decoder_parts.check_card(config, architecture, CARD)
     if config.moe.shared_experts < 1:
         raise ValueError(f"{architecture} cannot express moe.shared_experts=0 (it has at least "
                          "one shared expert)")
@@ -206,10 +196,10 @@ def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
         raise ValueError(f"{architecture} cannot express attention.scale={scale} (its scale "
                          f"follows from the head sizes and YaRN's mscale_all_dim: {expected})")
     latent = config.latent
-    hf = llama.common_fields_to_hf(config, architecture, "deepseek_v3")
+    hf = decoder_parts.common_fields_to_hf(config, architecture, "deepseek_v3")
     hf.update(dataclasses.asdict(latent), head_dim=latent.qk_rope_head_dim, hidden_act="silu",
               rope_interleave=config.rope.layout == "interleaved", attention_bias=False,
-              rope_parameters=llama.scaling_to_hf(config, architecture),
+              rope_parameters=decoder_parts.scaling_to_hf(config, architecture),
               num_nextn_predict_layers=0, **_moe_to_hf(config))
     return hf
 
@@ -233,7 +223,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: DecoderConfig) -> dic
 
 def steps(names, config: DecoderConfig) -> list[plan.Step]:
     """The conversion plan for a checkpoint holding tensors `names` (see `tfx.hf.plan`)."""
-    out = llama.steps(names, config, tensor_names(config))  # all but routers and experts
+    out = decoder_parts.steps(names, config, tensor_names(config))  # all but routers and experts
     for i in _moe_layers(config):
         out += mixtral.moe_steps(names, config, i, f"model.layers.{i}.mlp", _WEIGHTS)
     return out
@@ -242,7 +232,8 @@ def steps(names, config: DecoderConfig) -> list[plan.Step]:
 def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
     """tfx parameters by state path -> HF tensors, one per expert as save_pretrained writes
     them (lm_head left out when tied)."""
-    tensors = llama.params_to_hf(params, config, tensor_names(config))  # all but the experts
+    # All but the routers and experts.
+    tensors = decoder_parts.params_to_hf(params, config, tensor_names(config))
     for i in _moe_layers(config):
         tensors |= mixtral.moe_tensors(params, config, i, f"model.layers.{i}.mlp", _WEIGHTS)
     return tensors
@@ -252,7 +243,7 @@ def tensor_names(config: DecoderConfig) -> dict[tuple, str]:
     """tfx path -> HF tensor name, for every parameter but the routers and routed experts
     (`tfx.hf.mixtral.moe_steps`): `tfx.hf.llama`'s embeddings, head, norms and dense MLPs,
     latent attention, and the MoE layers' shared experts and selection bias."""
-    names = {path: name for path, name in llama.tensor_names(config).items()
+    names = {path: name for path, name in decoder_parts.tensor_names(config).items()
              if path[3:4] != ("attention",)}  # LLaMA's q/k/v/o: latent attention has its own
     modules = _ATTENTION[config.latent.q_lora_rank is not None]
     for i in range(config.num_layers):

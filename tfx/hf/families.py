@@ -1,6 +1,7 @@
 """The family modules of `tfx.hf`, by module name: each maps the config.json and tensors of
-the Hugging Face architectures it lists (`ARCHITECTURES`) onto a tfx model and back. A new
-family is a new module and one name here."""
+the Hugging Face architectures it lists (`ARCHITECTURES`) onto a tfx model and back. What a
+family is lives in its card (`tfx.models.families`); its module reads the card and the sizes
+of config.json. A new family is a card, a new module and one name here."""
 
 from __future__ import annotations
 

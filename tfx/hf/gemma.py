@@ -53,28 +53,23 @@ import math
 
 import numpy as np
 
-from tfx.hf import llama, plan
-from tfx.models.config import DecoderConfig, nested
+from tfx.hf import decoder_parts, plan
+from tfx.models import families
+from tfx.models.config import DecoderConfig
 
-__all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
+__all__ = ["ARCHITECTURES", "CARDS", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
            "params_from_hf", "params_to_hf", "steps", "tensor_names"]
 
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 ARCHITECTURES = (GEMMA2, GEMMA3)
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
-IGNORED = llama.IGNORED  # rotary frequency buffers of older checkpoints
+IGNORED = decoder_parts.IGNORED  # rotary frequency buffers of older checkpoints
+# What every Gemma 2 / 3 is (tfx.models.families): set on load, checked on save.
+CARDS = {GEMMA2: families.GEMMA2, GEMMA3: families.GEMMA3}
 
 _MODEL_TYPES = {GEMMA2: "gemma2", GEMMA3: "gemma3_text"}
 _LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 _HF_LAYER_TYPES = {kind: name for name, kind in _LAYER_TYPES.items()}
-# What every Gemma 2 / 3 is, in tfx terms (checked again on export).
-_FIXED = {"position": "rope", "rope.layout": "half", "rope.fraction": 1.0, "norm.kind": "rms",
-          "norm.pre_norm": True, "norm.inputs": True, "norm.outputs": True,
-          "mlp.gated": True, "mlp.activation": "gelu_tanh", "mlp.parallel": False,
-          "attention.pattern": None, "attention.qkv_bias": None, "attention.out_bias": None,
-          "embeddings.scale": True, "use_bias": False, "latent": None}
-_ARCHITECTURE_FIXED = {GEMMA2: {"attention.qk_norm": None, "rope.local_theta": None},
-                       GEMMA3: {"attention.qk_norm": "per_head", "attention.softcap": None}}
 # The config classes' defaults, for config.json files that leave a field out.
 _COMMON = dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                num_attention_heads=8, num_key_value_heads=4, head_dim=256,
@@ -96,14 +91,14 @@ def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
     dropout off."""
     hf = {**_DEFAULTS[architecture], **hf}
     _check_supported(hf, architecture)
-    return DecoderConfig(**nested({
-        **llama.common_fields(hf), **_rope_from_hf(hf, architecture),
-        "attention.scale": float(hf["query_pre_attn_scalar"]) ** -0.5,
-        "attention.softcap": hf["attn_logit_softcapping"],
-        "attention.sliding_window": hf["sliding_window"],
-        "attention.layer_types": _layer_types(hf, architecture),
-        "logit_softcap": hf["final_logit_softcapping"],
-        **_FIXED, **_ARCHITECTURE_FIXED[architecture]}))
+    fields = {**decoder_parts.common_fields(hf), **_rope_from_hf(hf, architecture),
+              "attention.scale": float(hf["query_pre_attn_scalar"]) ** -0.5,
+              "attention.sliding_window": hf["sliding_window"],
+              "attention.layer_types": _layer_types(hf, architecture),
+              "logit_softcap": hf["final_logit_softcapping"]}
+    if architecture == GEMMA2:  # Gemma 3's card fixes it: no score cap
+        fields["attention.softcap"] = hf["attn_logit_softcapping"]
+    return decoder_parts.from_card(CARDS[architecture], fields)
 
 
 def _check_supported(hf: dict, architecture: str) -> None:
@@ -145,9 +140,9 @@ def _rope_from_hf(hf: dict, architecture: str) -> dict:
     """rope.theta, rope.scaling and (Gemma 3) rope.local_theta, by dotted name."""
     max_len = hf["max_position_embeddings"]
     if architecture == GEMMA2:
-        rope = llama.rope_parameters(hf)
+        rope = decoder_parts.rope_parameters(hf)
         return {"rope.theta": float(rope.get("rope_theta", 10000.0)),
-                "rope.scaling": llama.scaling_from_hf(rope, hf, max_len, architecture)}
+                "rope.scaling": decoder_parts.scaling_from_hf(rope, hf, max_len, architecture)}
     by_type = hf.get("rope_parameters") or {}
     if not set(by_type) <= set(_LAYER_TYPES):
         raise ValueError(f"{architecture}: rope_parameters must be keyed by layer type "
@@ -162,7 +157,7 @@ def _rope_from_hf(hf: dict, architecture: str) -> dict:
                          "supported (tfx's sliding layers rotate with their own rope_theta, "
                          "unscaled)")
     return {"rope.theta": float(full["rope_theta"]),
-            "rope.scaling": llama.scaling_from_hf(full, hf, max_len, architecture),
+            "rope.scaling": decoder_parts.scaling_from_hf(full, hf, max_len, architecture),
             "rope.local_theta": float(local["rope_theta"])}
 
 
@@ -170,7 +165,7 @@ def _layer_rope(hf: dict, settings: dict | None, layer_type: str, theta_field: s
     """One Gemma 3 layer type's flat rope settings, its rope_theta defaulting to the legacy
     top-level `theta_field`, then to the architecture's default."""
     theta = hf.get(theta_field)
-    return llama.rope_parameters({
+    return decoder_parts.rope_parameters({
         "rope_parameters": settings, "partial_rotary_factor": hf.get("partial_rotary_factor"),
         "rope_theta": _GEMMA3_THETA[layer_type] if theta is None else theta})
 
@@ -178,11 +173,11 @@ def _layer_rope(hf: dict, settings: dict | None, layer_type: str, theta_field: s
 def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
     """DecoderConfig -> Gemma2Config / Gemma3TextConfig fields; ValueError for what they cannot
     express."""
-    llama.check_fixed(config, architecture, {**_FIXED, **_ARCHITECTURE_FIXED[architecture]})
+    decoder_parts.check_card(config, architecture, CARDS[architecture])
     if config.attention.sliding_window is None:
         raise ValueError(f"{architecture} needs attention.sliding_window (transformers builds "
                          "the sliding layers' mask whatever the layer types)")
-    hf = llama.common_fields_to_hf(config, architecture, _MODEL_TYPES[architecture])
+    hf = decoder_parts.common_fields_to_hf(config, architecture, _MODEL_TYPES[architecture])
     hf.update(hidden_activation="gelu_pytorch_tanh", attention_bias=False,
               use_bidirectional_attention=False,
               query_pre_attn_scalar=_pre_attn_scalar(config, architecture),
@@ -210,7 +205,7 @@ def _pre_attn_scalar(config: DecoderConfig, architecture: str) -> int:
 
 def _rope_to_hf(config: DecoderConfig, architecture: str) -> dict:
     """rope_parameters: one dict (Gemma 2) or one per layer type (Gemma 3)."""
-    rope = llama.scaling_to_hf(config, architecture)
+    rope = decoder_parts.scaling_to_hf(config, architecture)
     if architecture == GEMMA2:
         return rope
     if config.rope.local_theta is None:
@@ -256,7 +251,8 @@ def _to_hf(path: tuple, value: np.ndarray) -> np.ndarray:
 
 def tensor_names(config: DecoderConfig) -> dict[tuple, str]:
     """tfx path -> HF tensor name, for every parameter of the model."""
-    names = llama.tensor_names(config)  # embeddings, head, projections, q/k, input, final norms
+    # Embeddings, head, projections, q/k norms, input and final norms.
+    names = decoder_parts.tensor_names(config)
     for i in range(config.num_layers):
         layer, hf = ("stack", "layers", i), f"model.layers.{i}"
         # Gemma's post_attention_layernorm is the attention's output norm (LLaMA's mlp_norm).

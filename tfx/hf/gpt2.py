@@ -12,8 +12,9 @@ import functools
 
 import numpy as np
 
-from tfx.hf import llama, plan
-from tfx.models.config import DecoderConfig, field_value, nested
+from tfx.hf import decoder_parts, plan
+from tfx.models import families
+from tfx.models.config import DecoderConfig
 
 __all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
            "packed_tensors", "params_from_hf", "params_to_hf", "steps", "tensor_names"]
@@ -26,12 +27,7 @@ IGNORED = (r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)",)
 
 # HF activation_function -> tfx activation ("gelu_new" is the tanh approximation).
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
-# What every GPT-2 is, in tfx terms (checked again on export).
-_FIXED = {"position": "learned", "norm.kind": "layer", "norm.pre_norm": True, "use_bias": True,
-          "mlp.gated": False, "attention.num_kv_heads": None, "attention.head_dim": None,
-          "attention.scale": None, "attention.sliding_window": None, "attention.pattern": None,
-          "attention.qkv_bias": None, "attention.out_bias": None, "attention.qk_norm": None,
-          "attention.layer_types": None, "embeddings.scale": False, "latent": None}
+CARD = families.GPT2  # what every GPT-2 is: set on load, checked on save
 # GPT2Config's defaults, for config.json files that leave a field out (old hub checkpoints do).
 _DEFAULTS = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
                  n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,
@@ -55,26 +51,17 @@ def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
         raise ValueError(f"{architecture}: activation_function={hf['activation_function']!r} "
                          f"is not supported; tfx maps {sorted(_ACTIVATIONS)}")
     d_model = hf["n_embd"]
-    return DecoderConfig(**nested({
+    return decoder_parts.from_card(CARD, {
         "vocab_size": hf["vocab_size"], "d_model": d_model, "num_layers": hf["n_layer"],
         "num_heads": hf["n_head"], "d_ff": hf["n_inner"] or 4 * d_model,
         "max_len": hf["n_positions"], "mlp.activation": _ACTIVATIONS[hf["activation_function"]],
         "norm.eps": hf["layer_norm_epsilon"], "embeddings.tie": hf["tie_word_embeddings"],
-        "embeddings.pad_id": hf.get("pad_token_id"), "dropout": 0.0, **_FIXED}))
+        "embeddings.pad_id": hf.get("pad_token_id"), "dropout": 0.0})
 
 
 def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
     """DecoderConfig -> GPT2Config fields; ValueError for what GPT-2 cannot express."""
-    if not isinstance(config, DecoderConfig):
-        raise ValueError(f"{architecture} needs a DecoderConfig, got {type(config).__name__}")
-    # head_dim / num_kv_heads may be spelled out with their default values.
-    spelled = {"attention.head_dim": config.d_model // config.num_heads,
-               "attention.num_kv_heads": config.num_heads}
-    llama.check_fixed(config, architecture, llama.PLAIN_PARTS)
-    for name, value in _FIXED.items():
-        if field_value(config, name) not in (value, spelled.get(name, value)):
-            raise ValueError(f"{architecture} cannot express {name}={field_value(config, name)!r} "
-                             f"(GPT-2 has {name}={value!r})")
+    decoder_parts.check_card(config, architecture, CARD)
     activations = {tfx: hf for hf, tfx in _ACTIVATIONS.items()}
     if config.mlp.activation not in activations:
         raise ValueError(f"{architecture} cannot express mlp.activation="

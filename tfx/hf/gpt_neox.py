@@ -36,8 +36,9 @@ import functools
 
 import numpy as np
 
-from tfx.hf import llama, plan
-from tfx.models.config import DecoderConfig, nested
+from tfx.hf import decoder_parts, plan
+from tfx.models import families
+from tfx.models.config import DecoderConfig
 
 __all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
            "pack_heads", "packed_tensors", "params_from_hf", "params_to_hf", "steps",
@@ -45,21 +46,13 @@ __all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "con
 
 ARCHITECTURES = ("GPTNeoXForCausalLM",)
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
-IGNORED = (*llama.IGNORED, r"gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias)")
+IGNORED = (*decoder_parts.IGNORED, r"gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias)")
 
 # tfx activation -> the hidden_act a save writes; a load also reads the other tanh GELU name.
 _HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
 _ACTIVATIONS = {**{hf: tfx for tfx, hf in _HF_ACTIVATIONS.items()},
                 "gelu_pytorch_tanh": "gelu_tanh"}
-# What every GPT-NeoX is, in tfx terms (checked again on export).
-# GPT-NeoX may have either residual (use_parallel_residual): mlp.parallel is not fixed.
-_FIXED = {**{part: value for part, value in llama.PLAIN_PARTS.items() if part != "mlp.parallel"},
-          "position": "rope", "rope.layout": "half", "norm.kind": "layer", "norm.pre_norm": True,
-          "mlp.gated": False, "use_bias": True,
-          "attention.num_kv_heads": None, "attention.head_dim": None, "attention.scale": None,
-          "attention.sliding_window": None, "attention.pattern": None,
-          "attention.layer_types": None, "attention.qk_norm": None, "embeddings.scale": False,
-          "latent": None, "moe": None}
+CARD = families.GPT_NEOX  # what every GPT-NeoX is: set on load, checked on save
 # GPTNeoXConfig's defaults, for config.json files that leave a field out.
 _DEFAULTS = dict(vocab_size=50432, hidden_size=6144, num_hidden_layers=44,
                  num_attention_heads=64, intermediate_size=24576, hidden_act="gelu",
@@ -78,11 +71,11 @@ def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
                          f"tfx maps {sorted(_ACTIVATIONS)}")
     # GPTNeoXConfig's precedence: rope_scaling, then rope_parameters, then rotary_emb_base /
     # rotary_pct (a top-level rope_theta or partial_rotary_factor is not read).
-    rope = llama.rope_parameters({
+    rope = decoder_parts.rope_parameters({
         "rope_scaling": hf.get("rope_scaling"), "rope_parameters": hf.get("rope_parameters"),
         "rope_theta": hf["rotary_emb_base"], "partial_rotary_factor": hf["rotary_pct"]})
     max_len, bias = hf["max_position_embeddings"], bool(hf["attention_bias"])
-    return DecoderConfig(**nested({
+    return decoder_parts.from_card(CARD, {
         "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"],
         "num_layers": hf["num_hidden_layers"], "num_heads": hf["num_attention_heads"],
         "d_ff": hf["intermediate_size"], "max_len": max_len, "norm.eps": hf["layer_norm_eps"],
@@ -92,13 +85,14 @@ def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
         "attention.qkv_bias": bias, "attention.out_bias": bias,
         "rope.theta": float(rope["rope_theta"]),
         "rope.fraction": float(rope["partial_rotary_factor"]),
-        "rope.scaling": llama.scaling_from_hf(rope, hf, max_len, architecture, partial=True),
-        "dropout": 0.0, **_FIXED}))
+        "rope.scaling": decoder_parts.scaling_from_hf(rope, hf, max_len, architecture,
+                                                      partial=True),
+        "dropout": 0.0})
 
 
 def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
     """DecoderConfig -> GPTNeoXConfig fields; ValueError for what GPT-NeoX cannot express."""
-    llama.check_fixed(config, architecture, _FIXED)
+    decoder_parts.check_card(config, architecture, CARD)
     if config.mlp.activation not in _HF_ACTIVATIONS:
         raise ValueError(f"{architecture} cannot express mlp.activation="
                          f"{config.mlp.activation!r}; it has {sorted(_HF_ACTIVATIONS)}")
@@ -110,8 +104,8 @@ def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
         "hidden_act": _HF_ACTIVATIONS[config.mlp.activation],
         "layer_norm_eps": config.norm.eps, "tie_word_embeddings": config.embeddings.tie,
         "use_parallel_residual": config.mlp.parallel,
-        "attention_bias": llama.attention_bias(config, architecture, mlp_bias=True),
-        "rope_parameters": {**llama.scaling_to_hf(config, architecture),
+        "attention_bias": decoder_parts.attention_bias(config, architecture, mlp_bias=True),
+        "rope_parameters": {**decoder_parts.scaling_to_hf(config, architecture),
                             "partial_rotary_factor": config.rope.fraction},
         "attention_dropout": config.dropout, "hidden_dropout": config.dropout,
         "dtype": config.compute.param_dtype, "pad_token_id": config.embeddings.pad_id,
@@ -162,7 +156,7 @@ def tensor_names(config: DecoderConfig, head: str = _HEADS[0]) -> dict[tuple, st
                         (*layer, "attention", "out"): f"{hf}.attention.dense",
                         (*layer, "mlp", "up"): f"{hf}.mlp.dense_h_to_4h",
                         (*layer, "mlp", "down"): f"{hf}.mlp.dense_4h_to_h"})
-    has_bias = llama.biases(config)
+    has_bias = decoder_parts.biases(config)
     for path, hf in modules.items():
         norm = "norm" in path[-1]
         names[(*path, "scale" if norm else "kernel")] = f"{hf}.weight"
@@ -173,7 +167,8 @@ def tensor_names(config: DecoderConfig, head: str = _HEADS[0]) -> dict[tuple, st
 
 def packed_tensors(config: DecoderConfig) -> dict[str, tuple[tuple, ...]]:
     """Packed tensor name -> the query, key and value parameters it holds."""
-    kinds = {"kernel": "weight", **({"bias": "bias"} if llama.biases(config)["query"] else {})}
+    has_bias = decoder_parts.biases(config)["query"]
+    kinds = {"kernel": "weight", **({"bias": "bias"} if has_bias else {})}
     return {f"gpt_neox.layers.{i}.attention.query_key_value.{suffix}":
             tuple(("stack", "layers", i, "attention", name, kind) for name in _QKV)
             for i in range(config.num_layers) for kind, suffix in kinds.items()}

@@ -4,7 +4,8 @@ Mixtral is Mistral (RMSNorm, grouped-query attention, "half" rotary layout, an o
 window) with a sparse MoE block in place of every MLP: a bias-free router over E experts picks
 the k most probable by softmax over all E, weighted by their probabilities renormalised over the
 k (tfx's `moe.policy="topk"`, dropless), and each expert is a SwiGLU MLP
-(w1 = gate, w3 = up, w2 = down). Attention and norms map as in `tfx.hf.llama`.
+(w1 = gate, w3 = up, w2 = down). Attention and norms map as in `tfx.hf.llama`; the card is
+`tfx.models.families.MIXTRAL`.
 
 Tensors. `save_pretrained` (transformers 5) writes, and Hub checkpoints hold, one tensor per
 expert: `model.layers.{i}.block_sparse_moe.gate.weight` [E, d] and
@@ -33,7 +34,8 @@ import functools
 
 import numpy as np
 
-from tfx.hf import llama, plan
+from tfx.hf import decoder_parts, plan
+from tfx.models import families
 from tfx.models.config import DecoderConfig
 
 __all__ = ["ARCHITECTURES", "HAS_EXPERTS", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf",
@@ -43,7 +45,8 @@ __all__ = ["ARCHITECTURES", "HAS_EXPERTS", "IGNORED", "OPTIONAL_PARAMS", "config
 ARCHITECTURES = ("MixtralForCausalLM",)
 HAS_EXPERTS = True  # models with experts, `moe`, may be saved as Mixtral (tfx.hf.save)
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
-IGNORED = llama.IGNORED  # the rotary buffers older transformers saved
+IGNORED = decoder_parts.IGNORED  # the rotary buffers older transformers saved
+CARD = families.MIXTRAL  # what every Mixtral is (tfx.models.families)
 
 # MixtralConfig's defaults, for config.json files that leave a field out.
 _DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
@@ -54,10 +57,6 @@ _DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                  router_aux_loss_coef=0.001, router_jitter_noise=0.0)
 _DEFAULT_THETA = 1e6  # MixtralConfig.default_theta, for a config.json that names no rope_theta
 _DEFAULT_AUX_COEF = _DEFAULTS["router_aux_loss_coef"]
-# What every Mixtral MoE is, in tfx terms (checked again on export).
-_MOE_FIXED = {"moe.every": 1, "moe.first_dense": 0, "moe.capacity_factor": None,
-              "moe.policy": "topk", "moe.shared_experts": 0, "moe.num_groups": 1,
-              "moe.groups_per_token": 1, "moe.routed_scale": 1.0}
 _ROUTER = ("mlp", "router", "kernel")
 _EXPERTS = ("gate", "up", "down")
 _WEIGHTS = ("w1", "w3", "w2")  # Mixtral's names of each expert's gate, up and down weights
@@ -79,11 +78,12 @@ def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
         # HF renormalises the one weight to 1; tfx's top-1 (Switch) keeps the probability.
         raise ValueError(f"{architecture}: num_experts_per_tok=1 is not supported (transformers "
                          "weights the single expert by 1, tfx's top-1 router by its probability)")
-    return llama.decoder_config(
-        hf, architecture, use_bias=False, sliding_window=hf["sliding_window"],
-        default_theta=_DEFAULT_THETA, **{"moe.num_experts": experts, "moe.experts_per_token": k,
-                                         "moe.d_ff": hf["intermediate_size"], "moe.jitter": 0.0},
-        **_MOE_FIXED)
+    decoder_parts.check_silu(hf, architecture)
+    return decoder_parts.from_card(CARD, {
+        **decoder_parts.common_fields(hf), **decoder_parts.rope_fields(hf, architecture,
+                                                                       _DEFAULT_THETA),
+        "attention.sliding_window": hf["sliding_window"], "moe.num_experts": experts,
+        "moe.experts_per_token": k, "moe.d_ff": hf["intermediate_size"], "moe.jitter": 0.0})
 
 
 def train_settings(hf: dict) -> dict:
@@ -98,20 +98,19 @@ def train_settings(hf: dict) -> dict:
 
 def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
     """DecoderConfig -> MixtralConfig fields; ValueError for what Mixtral cannot express."""
-    hf = llama.decoder_config_to_hf(config, architecture, "mixtral")
-    if config.moe is None:
+    if isinstance(config, DecoderConfig) and config.moe is None:
         raise ValueError(f"{architecture} needs experts, moe (a dense model saves as "
                          "LlamaForCausalLM or MistralForCausalLM)")
-    llama.check_fixed(config, architecture, {**_MOE_FIXED, "attention.qk_norm": None,
-                                             "attention.layer_types": None})
+    decoder_parts.check_card(config, architecture, CARD)
     if config.moe.renormalize is False:
         raise ValueError(f"{architecture} cannot express moe.renormalize=False (it divides the "
                          "k weights by their sum)")
     if config.moe.experts_per_token == 1:
         raise ValueError(f"{architecture} cannot express moe.experts_per_token=1 (it weights a "
                          "single expert by 1, tfx by its probability)")
-    if config.use_bias:
-        raise ValueError(f"{architecture} cannot express use_bias=True (it has no biases)")
+    hf = {**decoder_parts.common_fields_to_hf(config, architecture, "mixtral"),
+          "hidden_act": "silu", "rope_parameters": decoder_parts.scaling_to_hf(config,
+                                                                               architecture)}
     # MixtralConfig keeps head_dim None (d_model // heads) where LlamaConfig fills it in.
     hf.update(head_dim=config.attention.head_dim, intermediate_size=_expert_width(config),
               sliding_window=config.attention.sliding_window,
@@ -129,7 +128,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: DecoderConfig) -> dic
 
 def steps(names, config: DecoderConfig) -> list[plan.Step]:
     """The conversion plan for a checkpoint holding tensors `names` (see `tfx.hf.plan`)."""
-    out = llama.steps(names, config)  # all but the MoE blocks
+    out = decoder_parts.steps(names, config)  # all but the MoE blocks
     for i in range(config.num_layers):
         out += moe_steps(names, config, i, _block(names, i))
     return out
@@ -165,7 +164,7 @@ def moe_tensors(params: dict, config: DecoderConfig, layer: int, block: str,
 def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
     """tfx parameters by state path -> the per-expert tensors that save_pretrained writes
     (lm_head left out when tied)."""
-    tensors = llama.params_to_hf(params, config)  # all but the MoE blocks
+    tensors = decoder_parts.params_to_hf(params, config)  # all but the MoE blocks
     for i in range(config.num_layers):
         tensors |= moe_tensors(params, config, i, f"model.layers.{i}.block_sparse_moe")
     return tensors

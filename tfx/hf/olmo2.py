@@ -1,7 +1,7 @@
 """OLMo 2 (`Olmo2ForCausalLM`) checkpoints <-> tfx `Decoder`.
 
 OLMo 2 is LLaMA (RMSNorm, a SwiGLU MLP, grouped-query attention, "half" rotary layout; see
-`tfx.hf.llama`) with its norms moved:
+`tfx.hf.llama`) with its norms moved (its card: `tfx.models.families.OLMO2`):
 
 - no norm on a branch's input and one on its output, before the residual sum: x + norm(f(x))
   (norm.inputs=False, norm.outputs=True). Per layer `model.layers.{i}.`:
@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tfx.hf import llama, plan
+from tfx.hf import decoder_parts, plan
+from tfx.models import families
 from tfx.models.config import DecoderConfig
 
 __all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
@@ -32,14 +33,9 @@ __all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "con
 
 ARCHITECTURES = ("Olmo2ForCausalLM",)
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
-IGNORED = llama.IGNORED  # rotary frequency buffers of older checkpoints
+IGNORED = decoder_parts.IGNORED  # rotary frequency buffers of older checkpoints
+CARD = families.OLMO2  # what every OLMo 2 is: set on load, checked on save
 
-# What every OLMo 2 is, in tfx terms (checked again on export).
-_FIXED = {**llama.PLAIN_PARTS, "position": "rope", "rope.layout": "half", "rope.fraction": 1.0,
-          "norm.kind": "rms", "norm.pre_norm": True, "norm.inputs": False, "norm.outputs": True,
-          "mlp.gated": True, "mlp.activation": "silu", "attention.qk_norm": "across_heads",
-          "attention.scale": None, "attention.pattern": None, "attention.sliding_window": None,
-          "attention.layer_types": None, "embeddings.scale": False, "latent": None, "moe": None}
 # Olmo2Config's defaults, for config.json files that leave a field out.
 _DEFAULTS = dict(vocab_size=50304, hidden_size=4096, intermediate_size=11008,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
@@ -56,18 +52,19 @@ def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
     # transformers reads a head_dim that config.json names, else hidden_size / heads (as the
     # head_dim that a save writes).
     hf["head_dim"] = hf["head_dim"] or hf["hidden_size"] // hf["num_attention_heads"]
+    decoder_parts.check_silu(hf, architecture)
     bias = bool(hf["attention_bias"])
-    return llama.decoder_config(hf, architecture, use_bias=False, sliding_window=None,
-                                **_FIXED, **{"attention.qkv_bias": bias,
-                                             "attention.out_bias": bias})
+    return decoder_parts.from_card(CARD, {
+        **decoder_parts.common_fields(hf), **decoder_parts.rope_fields(hf, architecture),
+        "attention.qkv_bias": bias, "attention.out_bias": bias})
 
 
 def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
     """DecoderConfig -> Olmo2Config fields; ValueError for what OLMo 2 cannot express."""
-    llama.check_fixed(config, architecture, _FIXED)
-    hf = llama.common_fields_to_hf(config, architecture, "olmo2")
-    hf.update(hidden_act="silu", rope_parameters=llama.scaling_to_hf(config, architecture),
-              attention_bias=llama.attention_bias(config, architecture, mlp_bias=False))
+    decoder_parts.check_card(config, architecture, CARD)
+    hf = decoder_parts.common_fields_to_hf(config, architecture, "olmo2")
+    hf.update(hidden_act="silu", rope_parameters=decoder_parts.scaling_to_hf(config, architecture),
+              attention_bias=decoder_parts.attention_bias(config, architecture, mlp_bias=False))
     return hf
 
 
@@ -78,18 +75,18 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: DecoderConfig) -> dic
 
 def steps(names, config: DecoderConfig) -> list[plan.Step]:
     """The conversion plan for a checkpoint holding tensors `names` (see `tfx.hf.plan`)."""
-    return llama.steps(names, config, tensor_names(config))
+    return decoder_parts.steps(names, config, tensor_names(config))
 
 
 def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
     """tfx parameters by state path -> Olmo2ForCausalLM tensors (lm_head left out when tied, as
     save_pretrained does)."""
-    return llama.params_to_hf(params, config, tensor_names(config))
+    return decoder_parts.params_to_hf(params, config, tensor_names(config))
 
 
 def tensor_names(config: DecoderConfig) -> dict[tuple, str]:
     """tfx path -> HF tensor name, for every parameter of the model."""
-    names = llama.tensor_names(config)  # embeddings, head, projections, q/k and final norms
+    names = decoder_parts.tensor_names(config)  # embeddings, head, projections, q/k and final norms
     for i in range(config.num_layers):
         layer, hf = ("stack", "layers", i), f"model.layers.{i}"
         # The branches' output norms in place of LLaMA's input norms: OLMo 2's

@@ -161,9 +161,9 @@ def save_peft_adapter(model: nnx.Module, directory: str | pathlib.Path, *, archi
     weights = weights_of(model)  # ValueError when there are none
     config, export = model.config, ARCHITECTURES[architecture]
     family = by_architecture()[architecture]
-    family.config_to_hf(config, architecture)  # ValueError for a model it cannot express
     if getattr(config, "moe", None) is not None and not getattr(family, "HAS_EXPERTS", False):
         raise ValueError(f"architecture {architecture} cannot express a model with experts")
+    family.config_to_hf(config, architecture)  # ValueError for a model it cannot express
     modules = export.modules(config)
     ranks = sorted({f.a.shape[-1] for f in weights.factors.values()})
     if len(ranks) > 1:

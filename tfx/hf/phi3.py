@@ -1,8 +1,8 @@
 """Phi-3 (`Phi3ForCausalLM`) checkpoints <-> tfx `Decoder`.
 
 Phi-3 is LLaMA (RMSNorm, a SwiGLU MLP, grouped-query attention, "half" rotary layout, no
-biases; see `tfx.hf.llama`) with two fused projections per layer, split on load and fused again
-on save (torch [out, in] rows; nnx kernels are [in, out]):
+biases; see `tfx.hf.llama`; its card: `tfx.models.families.PHI3`) with two fused projections
+per layer, split on load and fused again on save (torch [out, in] rows; nnx kernels are [in, out]):
 
 - `self_attn.qkv_proj` [(H + 2K)·D, d]: the H·D query rows, then the K·D key rows, then the
   K·D value rows -> attention/query, key, value kernels [d, H·D], [d, K·D], [d, K·D];
@@ -32,21 +32,18 @@ import functools
 
 import numpy as np
 
-from tfx.hf import llama, plan
-from tfx.models.config import DecoderConfig, nested
+from tfx.hf import decoder_parts, plan
+from tfx.models import families
+from tfx.models.config import DecoderConfig
 
 __all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
            "fused_tensors", "params_from_hf", "params_to_hf", "steps", "tensor_names"]
 
 ARCHITECTURES = ("Phi3ForCausalLM",)
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
-IGNORED = llama.IGNORED  # rotary frequency buffers of older checkpoints
+IGNORED = decoder_parts.IGNORED  # rotary frequency buffers of older checkpoints
+CARD = families.PHI3  # what every Phi-3 is: set on load, checked on save
 
-# What every Phi-3 is, in tfx terms (checked again on export).
-_FIXED = {**llama.PLAIN_PARTS, "position": "rope", "rope.layout": "half", "rope.scaling": None,
-          "norm.kind": "rms", "norm.pre_norm": True, "mlp.gated": True, "mlp.activation": "silu",
-          "attention.scale": None, "attention.pattern": None, "attention.layer_types": None,
-          "attention.qk_norm": None, "embeddings.scale": False, "latent": None, "moe": None}
 # Phi3Config's defaults, for config.json files that leave a field out.
 _DEFAULTS = dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=None,
@@ -65,10 +62,8 @@ def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
     # transformers reads a head_dim that config.json names, else hidden_size / heads (as the
     # head_dim that a save writes).
     hf["head_dim"] = hf["head_dim"] or hf["hidden_size"] // hf["num_attention_heads"]
-    if hf["hidden_act"] != "silu":
-        raise ValueError(f"{architecture}: hidden_act={hf['hidden_act']!r} is not supported "
-                         "(tfx maps the gated 'silu' MLP)")
-    rope = llama.rope_parameters(hf)
+    decoder_parts.check_silu(hf, architecture)
+    rope = decoder_parts.rope_parameters(hf)
     kind = rope["rope_type"]
     if kind in _LONGROPE:
         raise ValueError(f"{architecture}: rope_type={kind!r} (LongRoPE, Phi-3's long-context "
@@ -76,22 +71,18 @@ def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
     if kind != "default":
         raise ValueError(f"{architecture}: rope_type={kind!r} is not supported (transformers' "
                          "Phi-3 takes 'default' or 'longrope')")
-    return DecoderConfig(**nested({
-        **llama.common_fields(hf), "use_bias": False,
-        "attention.sliding_window": hf["sliding_window"],
+    return decoder_parts.from_card(CARD, {
+        **decoder_parts.common_fields(hf), "attention.sliding_window": hf["sliding_window"],
         "rope.theta": float(rope.get("rope_theta", 10000.0)),
-        "rope.fraction": float(rope.get("partial_rotary_factor", 1.0)), **_FIXED}))
+        "rope.fraction": float(rope.get("partial_rotary_factor", 1.0))})
 
 
 def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
     """DecoderConfig -> Phi3Config fields; ValueError for what Phi-3 cannot express."""
-    llama.check_fixed(config, architecture, _FIXED)
-    if llama.attention_bias(config, architecture, mlp_bias=False):
-        raise ValueError(f"{architecture} cannot express attention.qkv_bias / out_bias = True "
-                         "(it has no biases)")
-    hf = llama.common_fields_to_hf(config, architecture, "phi3")
+    decoder_parts.check_card(config, architecture, CARD)
+    hf = decoder_parts.common_fields_to_hf(config, architecture, "phi3")
     hf.update(hidden_act="silu", sliding_window=config.attention.sliding_window,
-              rope_parameters={**llama.scaling_to_hf(config, architecture),
+              rope_parameters={**decoder_parts.scaling_to_hf(config, architecture),
                                "partial_rotary_factor": config.rope.fraction},
               resid_pdrop=config.dropout, embd_pdrop=config.dropout)
     return hf
@@ -105,7 +96,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: DecoderConfig) -> dic
 def steps(names, config: DecoderConfig) -> list[plan.Step]:
     """The conversion plan for a checkpoint holding tensors `names` (see `tfx.hf.plan`): LLaMA's
     copies, and the fused tensors split by rows."""
-    out = llama.steps(names, config, tensor_names(config))
+    out = decoder_parts.steps(names, config, tensor_names(config))
     for name, (paths, rows) in fused_tensors(config).items():
         out.append(plan.Step(paths, (name,), functools.partial(_split_rows, name, rows)))
     return out
@@ -114,7 +105,7 @@ def steps(names, config: DecoderConfig) -> list[plan.Step]:
 def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
     """tfx parameters by state path -> Phi3ForCausalLM tensors (lm_head left out when tied, as
     save_pretrained does)."""
-    tensors = llama.params_to_hf(params, config, tensor_names(config))
+    tensors = decoder_parts.params_to_hf(params, config, tensor_names(config))
     for name, (paths, _) in fused_tensors(config).items():
         tensors[name] = np.concatenate([np.asarray(params[path]).T for path in paths])
     return tensors
@@ -137,9 +128,10 @@ def fused_tensors(config: DecoderConfig) -> dict[str, tuple[tuple, tuple[int, ..
 
 def tensor_names(config: DecoderConfig) -> dict[tuple, str]:
     """tfx path -> HF tensor name of the tensors copied one to one: LLaMA's
-    (`tfx.hf.llama.tensor_names`) but the kernels that `fused_tensors` packs."""
+    (`tfx.hf.decoder_parts.tensor_names`) but the kernels that `fused_tensors` packs."""
     fused = {path for paths, _ in fused_tensors(config).values() for path in paths}
-    return {path: name for path, name in llama.tensor_names(config).items() if path not in fused}
+    return {path: name for path, name in decoder_parts.tensor_names(config).items()
+            if path not in fused}
 
 
 def _split_rows(name: str, rows: tuple[int, ...], weight: np.ndarray) -> tuple[np.ndarray, ...]:

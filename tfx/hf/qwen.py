@@ -53,27 +53,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from tfx.hf import llama, mixtral, plan
+from tfx.hf import decoder_parts, mixtral, plan
+from tfx.models import families
 from tfx.models.config import DecoderConfig
 
-__all__ = ["ARCHITECTURES", "HAS_EXPERTS", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf",
+__all__ = ["ARCHITECTURES", "CARDS", "HAS_EXPERTS", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf",
            "config_to_hf", "params_from_hf", "params_to_hf", "steps", "train_settings"]
 
 QWEN2, QWEN3, QWEN3_MOE = "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
 ARCHITECTURES = (QWEN2, QWEN3, QWEN3_MOE)
 HAS_EXPERTS = True  # Qwen3MoeForCausalLM's models have experts, `moe` (tfx.hf.save)
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
-IGNORED = llama.IGNORED  # the rotary buffers older transformers saved
+IGNORED = decoder_parts.IGNORED  # the rotary buffers older transformers saved
+# What every model of each architecture is (tfx.models.families): set on load, checked on save.
+CARDS = {QWEN2: families.QWEN2, QWEN3: families.QWEN3, QWEN3_MOE: families.QWEN3_MOE}
 
 _MODEL_TYPES = {QWEN2: "qwen2", QWEN3: "qwen3", QWEN3_MOE: "qwen3_moe"}
 _LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
-# What every model of the architecture is, in tfx terms, beyond `tfx.hf.llama`'s table (which
-# `llama.decoder_config_to_hf` checks): set on load, checked on save.
-_FIXED = {QWEN2: {"attention.qk_norm": None},
-          QWEN3: {"attention.qk_norm": "per_head"},
-          QWEN3_MOE: {"attention.qk_norm": "per_head"}}
-_MOE_FIXED = {"moe.capacity_factor": None, "moe.policy": "topk", "moe.shared_experts": 0,
-              "moe.num_groups": 1, "moe.groups_per_token": 1, "moe.routed_scale": 1.0}
 _WEIGHTS = ("gate_proj", "up_proj", "down_proj")  # each expert's gate, up and down weights
 # The config classes' defaults, for config.json files that leave a field out.
 _COMMON = dict(vocab_size=151936, hidden_act="silu", max_position_embeddings=32768,
@@ -101,16 +97,15 @@ def config_from_hf(hf: dict, architecture: str) -> DecoderConfig:
     if hf["num_key_value_heads"] is None:  # the config classes: None means MHA
         hf["num_key_value_heads"] = hf["num_attention_heads"]
     window, layer_types = _windows(hf, architecture)
-    if architecture == QWEN2:
-        fields = {"attention.qkv_bias": True}
-    else:  # attention_bias: q, k, v and o alike, never the MLP
-        bias = bool(hf["attention_bias"])
-        fields = {"attention.qkv_bias": bias, "attention.out_bias": bias}
+    decoder_parts.check_silu(hf, architecture)
+    fields = {**decoder_parts.common_fields(hf), **decoder_parts.rope_fields(hf, architecture),
+              "attention.sliding_window": window, "attention.layer_types": layer_types}
+    if architecture != QWEN2:  # attention_bias: q, k, v and o alike, never the MLP (Qwen 2's
+        bias = bool(hf["attention_bias"])  # q, k and v biases are on its card)
+        fields |= {"attention.qkv_bias": bias, "attention.out_bias": bias}
     if architecture == QWEN3_MOE:
         fields |= _moe_fields(hf, architecture)
-    return llama.decoder_config(hf, architecture, use_bias=False, sliding_window=window,
-                                **{"attention.layer_types": layer_types, **fields,
-                                   **_FIXED[architecture]})
+    return decoder_parts.from_card(CARDS[architecture], fields)
 
 
 def _windows(hf: dict, architecture: str) -> tuple[int | None, tuple[str, ...] | None]:
@@ -153,7 +148,7 @@ def _moe_fields(hf: dict, architecture: str) -> dict:
     return {"moe.num_experts": experts, "moe.experts_per_token": k, "moe.every": step,
             "moe.first_dense": _first_dense(hf, architecture),
             "moe.d_ff": hf["moe_intermediate_size"],
-            "moe.renormalize": bool(hf["norm_topk_prob"]), "moe.jitter": 0.0, **_MOE_FIXED}
+            "moe.renormalize": bool(hf["norm_topk_prob"]), "moe.jitter": 0.0}
 
 
 def _first_dense(hf: dict, architecture: str) -> int:
@@ -192,9 +187,13 @@ def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
     if architecture != QWEN3_MOE and config.moe is not None:
         raise ValueError(f"{architecture} cannot express num_experts={config.moe.num_experts} "
                          f"(a model with experts saves as {QWEN3_MOE})")
-    hf = llama.decoder_config_to_hf(config, architecture, _MODEL_TYPES[architecture])
-    llama.check_fixed(config, architecture, _FIXED[architecture])
-    hf |= _biases_to_hf(config, architecture) | _windows_to_hf(config, architecture)
+    decoder_parts.check_card(config, architecture, CARDS[architecture])
+    hf = {**decoder_parts.common_fields_to_hf(config, architecture, _MODEL_TYPES[architecture]),
+          "hidden_act": "silu",
+          "rope_parameters": decoder_parts.scaling_to_hf(config, architecture)}
+    if architecture != QWEN2:  # Qwen 2's biases (q, k and v) are on its card
+        hf["attention_bias"] = decoder_parts.attention_bias(config, architecture, mlp_bias=False)
+    hf |= _windows_to_hf(config, architecture)
     if architecture != QWEN3:  # their config classes have no head_dim field: write one only
         hf["head_dim"] = config.attention.head_dim  # when it is not hidden_size // heads
         if hf["head_dim"] is None:
@@ -202,20 +201,6 @@ def config_to_hf(config: DecoderConfig, architecture: str) -> dict:
     if architecture == QWEN3_MOE:
         hf |= _moe_to_hf(config, architecture)
     return hf
-
-
-def _biases_to_hf(config: DecoderConfig, architecture: str) -> dict:
-    """Qwen 3 (MoE): {"attention_bias": ...}; Qwen 2: {} (its biases, on q, k and v only,
-    checked)."""
-    if architecture != QWEN2:
-        return {"attention_bias": llama.attention_bias(config, architecture, mlp_bias=False)}
-    if llama.biases(config) != {"query": True, "key": True, "value": True, "out": False,
-                                "mlp": False}:
-        raise ValueError(f"{architecture} cannot express use_bias={config.use_bias}, "
-                         f"attention.qkv_bias={config.attention.qkv_bias}, attention.out_bias="
-                         f"{config.attention.out_bias} (its biases are on q, k and v only: "
-                         "use_bias=False, attention.qkv_bias=True)")
-    return {}
 
 
 def _windows_to_hf(config: DecoderConfig, architecture: str) -> dict:
@@ -238,7 +223,6 @@ def _windows_to_hf(config: DecoderConfig, architecture: str) -> dict:
 
 def _moe_to_hf(config: DecoderConfig, architecture: str) -> dict:
     """The MoE fields of a Qwen3MoeConfig (loss weights: the config class's defaults)."""
-    llama.check_fixed(config, architecture, _MOE_FIXED)
     moe = config.moe
     renormalize = moe.experts_per_token > 1 if moe.renormalize is None else moe.renormalize
     defaults = _DEFAULTS[QWEN3_MOE]
@@ -257,7 +241,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: DecoderConfig) -> dic
 
 def steps(names, config: DecoderConfig) -> list[plan.Step]:
     """The conversion plan for a checkpoint holding tensors `names` (see `tfx.hf.plan`)."""
-    out = llama.steps(names, config)  # all but the MoE blocks
+    out = decoder_parts.steps(names, config)  # all but the MoE blocks
     for i in _moe_layers(config):
         out += mixtral.moe_steps(names, config, i, f"model.layers.{i}.mlp", _WEIGHTS)
     return out
@@ -266,7 +250,7 @@ def steps(names, config: DecoderConfig) -> list[plan.Step]:
 def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
     """tfx parameters by state path -> HF tensors, one per expert as save_pretrained writes
     them (lm_head left out when tied)."""
-    tensors = llama.params_to_hf(params, config)  # all but the MoE blocks
+    tensors = decoder_parts.params_to_hf(params, config)  # all but the MoE blocks
     for i in _moe_layers(config):
         tensors |= mixtral.moe_tensors(params, config, i, f"model.layers.{i}.mlp", _WEIGHTS)
     return tensors

@@ -17,7 +17,7 @@ from tfx.nn.latent_attention import LatentAttention
 from tfx.nn.mlp import MLP
 from tfx.nn.moe import MoE
 from tfx.nn.norms import make_norm
-from tfx.nn.positions import ALiBi, Position, Rope, Rotary, TransformerXL
+from tfx.nn.positions import ALiBi, Position, Rotary, TransformerXL
 from tfx.nn.remat import ATTENTION_OUT, MLP_OUT, checkpoint_policy, tag
 from tfx.ops.backends import current_platform
 from tfx.ops.kv_cache import LayerKV
@@ -178,9 +178,10 @@ def _position(config: TransformerConfig, layer_type: str, rngs: nnx.Rngs) -> Pos
     positions, T5's stack adds its bias, or there are none)."""
     c = config
     if c.position == "rope":
+        rope = dict(layout=c.rope.layout, rotary_fraction=c.rope.fraction)
         if layer_type == "sliding" and c.rope.local_theta is not None:
-            return Rotary(Rope(c.rope.local_theta, c.rope.layout, None, c.rope.fraction))
-        return Rotary(Rope(c.rope.theta, c.rope.layout, c.rope.scaling, c.rope.fraction))
+            return Rotary(theta=c.rope.local_theta, **rope)
+        return Rotary(theta=c.rope.theta, scaling=c.rope.scaling, **rope)
     if c.position == "alibi":
         return ALiBi(c.num_heads)
     if c.position == "xl":

@@ -13,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Literal, get_args
 
+from tfx import names
+from tfx.ops.attention import table as attention_table
+
 if TYPE_CHECKING:
     from tfx.ops.positional import RopeScaling
 else:  # a runtime annotation that names no jax type (tyro reads it as a fixed field)
@@ -24,23 +27,19 @@ __all__ = ["COMPUTE_DTYPES", "REMAT_POLICIES", "Activation", "AttentionConfig",
            "NormConfig", "NormKind", "QKNorm", "RematPolicy", "RopeConfig", "RopeLayout",
            "SpecialTokens", "T5BiasConfig"]
 
-# The names of tfx.ops.activations.ACTIVATIONS.
-Activation = Literal["gelu", "gelu_tanh", "relu", "silu"]
-# tfx.nn.norms.NORMS.
-NormKind = Literal["layer", "rms"]
-# tfx.ops.positional.rope.LAYOUTS.
-RopeLayout = Literal["half", "interleaved"]
-# tfx.ops.attention.IMPLEMENTATIONS.
-AttentionImplementation = Literal["reference", "blocked", "cudnn", "pallas_gpu", "splash",
-                                  "context_parallel"]
-# tfx.ops.moe.POLICIES and tfx.ops.moe.IMPLEMENTATIONS.
-MoePolicy = Literal["topk", "gshard", "deepseek"]
-MoeDispatch = Literal["sorted", "onehot", "ragged", "megablox"]
+# The names come from tfx.names (one source, jax-free), as tyro and the CLI read them.
+Activation = Literal[names.ACTIVATIONS]
+NormKind = Literal[names.NORMS]
+RopeLayout = Literal[names.ROPE_LAYOUTS]
+# tfx.ops.attention.table: one line per kernel (jax-free).
+AttentionImplementation = Literal[attention_table.IMPLEMENTATIONS]
+MoePolicy = Literal[names.MOE_POLICIES]
+MoeDispatch = Literal[names.MOE_DISPATCHES]
 # What a layer's self-attention sees: every earlier token, or the last attention.sliding_window.
 LayerType = Literal["full", "sliding"]
 # Where queries and keys are normalised (RMS over the norm kind's statistics): each head's
 # head_dim features (Qwen 3, Gemma 3), or all heads' features at once (OLMo 2).
-QKNorm = Literal["per_head", "across_heads"]
+QKNorm = Literal[names.QK_NORMS]
 # Floating-point dtypes by name; resolved to jnp dtypes where modules are built.
 Dtype = Literal["float32", "bfloat16", "float16"]
 COMPUTE_DTYPES = (None, *get_args(Dtype))

@@ -1,12 +1,15 @@
 """Named model configurations, and `create` to build a model from a name or a config.
 
 The presets import without jax (the command line lists them before it imports it); `create`
-imports the model modules when it is called."""
+imports the model modules when it is called. `create` also builds the named sizes of the family
+cards (`tfx.models.families.SIZES`: "qwen3-0.6b", "olmo2-1b", "gemma2-2b", ...), which
+`PRESETS` leaves out: those are full-size models that tests build shrunk."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tfx.models import families
 from tfx.models.config import (
     AttentionConfig,
     DecoderConfig,
@@ -25,7 +28,7 @@ if TYPE_CHECKING:
     from tfx.models.encoder import Encoder
     from tfx.models.encoder_decoder import EncoderDecoder
 
-__all__ = ["PRESETS", "create"]
+__all__ = ["PRESETS", "create", "named_config", "names"]
 
 _BERT = dict(vocab_size=30522, max_len=512, position="learned", mlp=MlpConfig(activation="gelu"),
              norm=NormConfig(kind="layer", eps=1e-12, pre_norm=False), dropout=0.1)
@@ -67,9 +70,25 @@ PRESETS = {
         mlp=MlpConfig(activation="relu"), dropout=0.1, embeddings=EmbeddingsConfig(scale=True)),
 }
 
+def names() -> list[str]:
+    """Every name `create` takes: the presets, then the family cards' named sizes."""
+    return [*PRESETS, *families.SIZES]
+
+
+def named_config(name: str) -> DecoderConfig | EncoderConfig | EncoderDecoderConfig:
+    """The config of a preset or of a family card's named size."""
+    if name in PRESETS:
+        return PRESETS[name]
+    if name in families.SIZES:
+        return families.size_config(name)
+    raise ValueError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}; family sizes: "
+                     f"{sorted(families.SIZES)}")
+
+
 def create(config: str | DecoderConfig | EncoderConfig | EncoderDecoderConfig, *,
            rngs: nnx.Rngs | None = None, **overrides) -> Decoder | Encoder | EncoderDecoder:
-    """Build a model from a preset name or a config, with optional field overrides
+    """Build a model from a preset name (or a family card's named size, "qwen3-0.6b") or a
+    config, with optional field overrides
     (`TransformerConfig.replace`): top-level fields by name, sub-config fields by a dict of
     changes (or a whole sub-config, or None to remove an optional one).
 
@@ -84,9 +103,7 @@ def create(config: str | DecoderConfig | EncoderConfig | EncoderDecoderConfig, *
 
     models = {DecoderConfig: Decoder, EncoderConfig: Encoder, EncoderDecoderConfig: EncoderDecoder}
     if isinstance(config, str):
-        if config not in PRESETS:
-            raise ValueError(f"unknown preset {config!r}; presets: {sorted(PRESETS)}")
-        config = PRESETS[config]
+        config = named_config(config)
     if type(config) not in models:
         raise TypeError(f"config must be a preset name or one of "
                         f"{[c.__name__ for c in models]}, got {type(config).__name__}")

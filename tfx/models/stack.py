@@ -14,7 +14,7 @@ from tfx.nn.dropout import make_dropout
 from tfx.nn.embeddings import LearnedPositions, SinusoidalPositions, TokenEmbedding
 from tfx.nn.norms import make_norm
 from tfx.nn.relative_bias import RelativePositionBias
-from tfx.ops.context_parallel import split_sequence
+from tfx.ops.attention.context_parallel import split_sequence
 from tfx.ops.kv_cache import CacheStep, LayerKV
 from tfx.ops.masks import combine_masks
 from tfx.ops.sparse import SlidingWindow, parse_spec

@@ -6,11 +6,11 @@ from tfx.nn.embeddings import LearnedPositions, SinusoidalPositions, TokenEmbedd
 from tfx.nn.latent_attention import LatentAttention
 from tfx.nn.mlp import ACTIVATIONS, MLP
 from tfx.nn.norms import NORMS, make_norm
-from tfx.nn.positions import ALiBi, Position, Rope, Rotary, TransformerXL
+from tfx.nn.positions import ALiBi, Position, Rotary, TransformerXL
 from tfx.nn.relative_bias import RelativePositionBias
 from tfx.nn.variants import current_row_variants, row_variants
 
 __all__ = ["ACTIVATIONS", "MLP", "NORMS", "ALiBi", "Attention", "CrossKV", "KVLayer", "Keys",
            "LatentAttention", "LearnedPositions", "NoCache", "Position", "RelativePositionBias",
-           "Rope", "Rotary", "SegmentLayer", "SinusoidalPositions", "TokenEmbedding",
+           "Rotary", "SegmentLayer", "SinusoidalPositions", "TokenEmbedding",
            "TransformerXL", "current_row_variants", "make_norm", "row_variants"]

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfx import names
 from tfx.nn import axes
 from tfx.nn.caches import Keys, NoCache, cache_for
 from tfx.nn.linear import flat_linear
@@ -23,7 +24,7 @@ from tfx.ops.sparse import SparsitySpec
 
 __all__ = ["QK_NORMS", "Attention", "QKNorm"]
 
-QK_NORMS = ("per_head", "across_heads")
+QK_NORMS = names.QK_NORMS
 
 
 class Attention(nnx.Module):

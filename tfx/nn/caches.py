@@ -15,7 +15,7 @@ gets back (`tfx.nn.latent_attention`). `SegmentLayer` is Transformer-XL's memory
 inputs; `CrossKV` a cross-attention's keys and values computed once per encoder output.
 `PagedLayer` is one layer's page pool of a paged cache (`tfx.ops.paged`): it writes the new keys
 into their pages and hands the kernel `PagedKeys`, which attend through the page table
-(`tfx.ops.paged_attention`) instead of a contiguous cache. `kv_cache_layer` picks the kind of a
+(`tfx.ops.attention.paged`) instead of a contiguous cache. `kv_cache_layer` picks the kind of a
 KV-cache layer from the call's step.
 """
 
@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 
 from tfx.ops.attention import dot_product_attention
+from tfx.ops.attention.paged import PAGED_IMPLEMENTATIONS, paged_attention
 from tfx.ops.kv_cache import CacheStep, LatentKV, LayerKV, write
 from tfx.ops.masks import combine_masks
 from tfx.ops.paged import PagedKV, PagedStep, write_pages
-from tfx.ops.paged_attention import PAGED_IMPLEMENTATIONS, paged_attention
 from tfx.ops.sparse import SparsitySpec
 
 __all__ = ["CrossKV", "KVLayer", "Keys", "NoCache", "PagedKeys", "PagedLayer", "SegmentLayer",
@@ -164,7 +164,7 @@ class PagedKeys(Keys):
         return self.page_table.shape[1] * self.key.shape[2]
 
     def attention(self, query, *, scale, softcap, implementation, block_sizes):
-        """`tfx.ops.paged_attention`; `implementation` applies when it names a paged kernel
+        """`tfx.ops.attention.paged`; `implementation` applies when it names a paged kernel
         ("reference", "blocked"), else the platform's choice runs; block_sizes is unused."""
         extras = [name for name in ("mask", "bias", "sparsity", "query_segment_ids")
                   if getattr(self, name) is not None]

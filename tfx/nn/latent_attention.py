@@ -60,8 +60,8 @@ class LatentAttention(nnx.Module):
         have one, as in DeepSeek (which also keeps the absorbed form exact).
       scale: score multiplier (default (qk_nope_head_dim + qk_rope_head_dim)^-0.5; DeepSeek
         with YaRN multiplies it by mscale², which its model family supplies).
-      position: the encoding of the rotary parts, e.g. `Rotary(Rope(theta, "interleaved",
-        scaling))` (HF `rope_interleave=True`: HF's permuted pairs give the same scores);
+      position: the encoding of the rotary parts, e.g. `Rotary(theta=..., layout="interleaved",
+        scaling=...)` (HF `rope_interleave=True`: HF's permuted pairs give the same scores);
         None: none.
       norm_eps: epsilon of the two RMSNorms.
       softcap: logit soft-capping as in `tfx.ops.dot_product_attention`, or None.

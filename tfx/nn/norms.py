@@ -11,11 +11,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from tfx import names
 from tfx.ops.norms import layer_norm, rms_norm
 
 __all__ = ["NORMS", "LayerNorm", "RMSNorm", "make_norm"]
 
-NORMS = ("layer", "rms")
+NORMS = names.NORMS
 
 
 class LayerNorm(nnx.LayerNorm):

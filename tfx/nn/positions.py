@@ -18,8 +18,6 @@ layers, in `tfx.nn.relative_bias` (the stack computes it once and passes it as `
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -35,7 +33,7 @@ from tfx.ops.positional import (
     transformer_xl_position_scores,
 )
 
-__all__ = ["ALiBi", "Position", "Rope", "Rotary", "TransformerXL"]
+__all__ = ["ALiBi", "Position", "Rotary", "TransformerXL"]
 
 
 class Position(nnx.Module):
@@ -54,30 +52,22 @@ class Position(nnx.Module):
         return query, None
 
 
-@dataclasses.dataclass(frozen=True)
-class Rope:
-    """Rotary embedding settings (see `tfx.ops.positional.apply_rope`).
-
-    theta: base (LLaMA 10000, LLaMA 3 500000); layout: "half" (HF) or "interleaved" (Meta,
-    GPT-J); scaling: None or a RopeScaling object; fraction: share of head_dim rotated.
-    """
-
-    theta: float = 10000.0
-    layout: str = "half"
-    scaling: RopeScaling | None = None
-    fraction: float = 1.0
-
-
 class Rotary(Position):
     """RoPE (Su et al. 2021): queries and keys rotated by their positions, so that scores
     depend on distances only. Keys are rotated once, before a cache stores them."""
 
-    def __init__(self, rope: Rope):
-        self.rope = rope
+    def __init__(self, *, theta: float = 10000.0, layout: str = "half",
+                 scaling: RopeScaling | None = None, rotary_fraction: float = 1.0):
+        """The settings of `tfx.ops.positional.apply_rope`, under its names (a model takes
+        them from its `tfx.models.parts.RopeConfig`)."""
+        # Plain attributes, not a dict: they are static data of the model's graph, which jit
+        # hashes.
+        self.theta, self.layout, self.scaling = theta, layout, scaling
+        self.rotary_fraction = rotary_fraction
 
     def encode(self, query, key, query_positions, key_positions):
-        rope = dict(theta=self.rope.theta, layout=self.rope.layout, scaling=self.rope.scaling,
-                    rotary_fraction=self.rope.fraction)
+        rope = dict(theta=self.theta, layout=self.layout, scaling=self.scaling,
+                    rotary_fraction=self.rotary_fraction)
         query = apply_rope(query, query_positions, **rope)
         return query, None if key is None else apply_rope(key, key_positions, **rope)
 

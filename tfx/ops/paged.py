@@ -13,7 +13,7 @@ Shared by the layers, `PagedCache.page_table` int32 [batch, pages_per_seq] (-1: 
 `next_position` [batch]. The token at true position p of row b lives in pool page
 page_table[b, p // page_size] at offset p % page_size: slot page * page_size + offset of the
 pool seen as [num_kv_heads, num_pages * page_size, head_dim]. Positions have no gaps (padding
-takes none), so a query at p sees exactly the positions 0..p (`tfx.ops.paged_attention`).
+takes none), so a query at p sees exactly the positions 0..p (`tfx.ops.attention.paged`).
 
 Who owns the page table: the caller (an engine's allocator) assigns pages before a call brings
 tokens to them; a token whose page is -1 or beyond the table is not stored.

@@ -174,7 +174,7 @@ class Offset(SparsitySpec):
     """`inner` seen from a tile of a longer sequence: query row r sits at position
     `query_start + r` and key column j at `key_start + j` of the sequence `inner` is written
     for, whose length is `total_len`. Context-parallel attention
-    (`tfx.ops.context_parallel`) plans each pair of sequence chunks with it, so that the
+    (`tfx.ops.attention.context_parallel`) plans each pair of sequence chunks with it, so that the
     blocked kernel skips the tiles of a chunk pair that `inner` leaves empty."""
 
     inner: SparsitySpec

@@ -6,7 +6,7 @@
     expert  expert parallelism for mixture-of-experts weights; the dense layers treat it as
             more data parallelism (the batch is split over it too, as in GShard)
     sequence context parallelism: every layer's activations split along the sequence, and
-            self-attention run as ring / all-gather attention (tfx.ops.context_parallel)
+            self-attention run as ring / all-gather attention (tfx.ops.attention.context_parallel)
     tensor  Megatron-style tensor parallelism inside each layer
 
 The order is outermost to innermost: `tensor` varies fastest over the device list, so its

@@ -72,12 +72,6 @@ class Adapters(AdapterSettings):
     """Bottleneck adapters: their settings (`tfx.peft.settings.AdapterSettings`) and how they
     attach."""
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.activation not in ACTIVATIONS:  # the table lives with the functions (jax)
-            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got "
-                             f"{self.activation!r}")
-
     def attach(self, model: nnx.Module, *, rngs: nnx.Rngs) -> nnx.Module:
         """Put adapters (in place) into every layer of `model`, a tfx Decoder, Encoder or
         EncoderDecoder; returns it. Layers stacked by scan_layers get stacked adapters

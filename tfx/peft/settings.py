@@ -14,6 +14,8 @@ import dataclasses
 import re
 from typing import Literal
 
+from tfx import names
+
 __all__ = ["ADAPTER_PLACEMENTS", "LORA_INIT_STYLES", "PROMPT_INITS", "AdapterSettings",
            "LoRASettings", "PrefixSettings", "SoftPromptSettings", "check_targets"]
 
@@ -152,8 +154,8 @@ class AdapterSettings:
     """Bottleneck width; None: d_model // reduction."""
     reduction: int = 16
     """d_model / size when size is None (16, as in Pfeiffer et al.)."""
-    activation: str = "relu"
-    """A name of tfx.ops.activations.ACTIVATIONS."""
+    activation: Literal[names.ACTIVATIONS] = "relu"
+    """The bottleneck's nonlinearity (tfx.ops.activations.ACTIVATIONS)."""
     init_std: float = 1e-2
     """Standard deviation of the down projection's (and, unless zero_up, the up's) init."""
     zero_up: bool = False
@@ -170,4 +172,7 @@ class AdapterSettings:
         if self.size is not None:
             _int("size", self.size, 1)
         _int("reduction", self.reduction, 1)
+        if self.activation not in names.ACTIVATIONS:
+            raise ValueError(f"activation must be one of {names.ACTIVATIONS}, got "
+                             f"{self.activation!r}")
         _positive("init_std", self.init_std)

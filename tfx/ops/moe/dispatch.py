@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from tfx import names
 from tfx.ops import _checks
 from tfx.ops.activations import ACTIVATIONS
 from tfx.ops.backends import current_platform, select_grouped_matmul
@@ -33,7 +34,7 @@ from tfx.ops.moe.routing import Routing
 __all__ = ["IMPLEMENTATIONS", "ExpertWeights", "batched_experts", "check_weights", "combine_rows",
            "experts_ffn", "gather_rows", "grouped_experts", "sorted_rows"]
 
-IMPLEMENTATIONS = ("sorted", "onehot", "ragged", "megablox")
+IMPLEMENTATIONS = names.MOE_DISPATCHES
 
 
 @jax.tree_util.register_dataclass

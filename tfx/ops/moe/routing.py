@@ -55,12 +55,13 @@ import math
 import jax
 import jax.numpy as jnp
 
+from tfx import names
 from tfx.ops import _checks
 
 __all__ = ["POLICIES", "PRIORITIES", "Routing", "check_router_kernel", "check_routing_options",
            "expert_capacity", "expert_load", "route", "router_logits", "update_selection_bias"]
 
-POLICIES = ("topk", "gshard", "deepseek")
+POLICIES = names.MOE_POLICIES
 PRIORITIES = ("position", "probability")
 
 

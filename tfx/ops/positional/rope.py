@@ -24,6 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from tfx import names
 from tfx.ops import _checks
 
 __all__ = [
@@ -37,7 +38,7 @@ __all__ = [
     "rope_frequencies",
 ]
 
-LAYOUTS = ("half", "interleaved")
+LAYOUTS = names.ROPE_LAYOUTS
 
 
 def _unscaled_inv_freq(theta, rotary_dim: int) -> jax.Array:

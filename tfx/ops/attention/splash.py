@@ -17,6 +17,7 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
+from tfx.ops.attention.kernel import Call, Kernel, dtype_in, key_mask_only, on, without
 from tfx.ops.sparse import (
     Causal,
     Intersection,
@@ -26,7 +27,8 @@ from tfx.ops.sparse import (
     Union,
 )
 
-__all__ = ["key_mask_as_segments", "splash_attention", "splash_block", "splash_mask"]
+__all__ = ["KERNEL", "PALLAS_LENGTH_MULTIPLE", "call_segment_ids", "key_mask_as_segments",
+           "splash_attention", "splash_block", "splash_mask"]
 
 # Each query row starts with this "attention sink" logit (a score with no value): far above
 # splash's masked logit (-0.7 * float32 max) and far below any real score. A row that sees a
@@ -129,3 +131,35 @@ def splash_attention(query: jax.Array, key: jax.Array, value: jax.Array,
     out = jax.vmap(per_example)(grouped, key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3),
                                 segment_ids)
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, num_heads, value.shape[-1])
+
+
+# Lengths that splash tiles without padding: its kv blocks are multiples of 128 lanes.
+PALLAS_LENGTH_MULTIPLE = 128
+
+
+def call_segment_ids(call: Call) -> tuple[jax.Array, jax.Array] | None:
+    """A call's segment ids for the kernels that take no mask (splash, context parallel): its
+    ids, with a padding mask folded in (padded keys join no query's segment); None: neither."""
+    ids = None if call.segments[0] is None else call.segments
+    if call.mask is not None:
+        (batch, q_len), kv_len = call.query.shape[:2], call.key.shape[1]
+        ids = key_mask_as_segments(call.mask, ids, batch, q_len, kv_len)
+    return ids
+
+
+def _splash_lengths(platform, case):
+    if case.q_len % PALLAS_LENGTH_MULTIPLE or case.kv_len % PALLAS_LENGTH_MULTIPLE:
+        return (f"q_len and kv_len multiples of {PALLAS_LENGTH_MULTIPLE} "
+                f"(got {case.q_len} and {case.kv_len})")
+
+
+def _run(call: Call) -> jax.Array:
+    return splash_attention(call.query, call.key, call.value, call_segment_ids(call), call.spec,
+                            call.scale, interpret=call.interpret, softcap=call.softcap)
+
+
+# Forced on "cpu", splash runs in Pallas interpret mode: slow, but the same code path, for tests.
+KERNEL = Kernel(
+    "splash", _run, platforms=("tpu",),
+    needs=(on("tpu", "cpu"), dtype_in("float16", "bfloat16", "float32"),
+           without("has_bias", "bias"), key_mask_only, _splash_lengths))

@@ -1,7 +1,7 @@
 """A blocked attention as pieces over disjoint sets of pairs, merged by log-sum-exp.
 
 Each piece attends its own pairs with tokens in its own order (token order, or regrouped by
-residue: `tfx.ops.residue_order`) on its own tiles. The pieces' outputs are merged as ring
+residue: `tfx.ops.attention.residue_order`) on its own tiles. The pieces' outputs are merged as ring
 attention merges chunks: out = sum_i exp(lse_i - lse) out_i with lse = log sum_i exp(lse_i),
 and the backward pass runs each piece's blocked backward with the merged output and lse, whose
 gradients sum to the full ones. One piece in token order is the plain blocked kernel.
@@ -19,14 +19,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tfx.ops.block_plan import BlockPlan, block_plan
-from tfx.ops.blocked_attention import (
+from tfx.ops.attention.block_plan import BlockPlan, block_plan
+from tfx.ops.attention.blocked_attention import (
     ScoreInputs,
     blocked_attention,
     blocked_attention_backward,
     blocked_attention_forward,
 )
-from tfx.ops.residue_order import from_residue_order, residue_length, to_residue_order
+from tfx.ops.attention.residue_order import from_residue_order, residue_length, to_residue_order
 from tfx.ops.sparse import SparsitySpec
 
 __all__ = ["Piece", "pieced_attention"]

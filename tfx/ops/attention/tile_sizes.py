@@ -12,8 +12,9 @@ where a sparse mask leaves most of a large tile empty: BigBird's 64-key random b
 global tokens, a window much narrower than a tile.
 
 A strided pattern's strided pairs fill no tile in token order, so `choose_pieces` also models it
-as two pieces (`tfx.ops.blocked_pieces`): its local window in token order and its strided
-pairs in residue order (`tfx.ops.residue_order`), each on its own tiles, and takes the pieces
+as two pieces (`tfx.ops.attention.blocked_pieces`): its local window in token order and its strided
+pairs in residue order (`tfx.ops.attention.residue_order`), each on its own tiles, and takes the
+pieces
 when they cost less than the one pass.
 """
 
@@ -21,9 +22,9 @@ from __future__ import annotations
 
 import functools
 
-from tfx.ops.blocked_attention import BLOCK_K, BLOCK_Q
-from tfx.ops.blocked_pieces import Piece
-from tfx.ops.residue_order import StridedHistory, residue_length, strided_parts
+from tfx.ops.attention.blocked_attention import BLOCK_K, BLOCK_Q
+from tfx.ops.attention.blocked_pieces import Piece
+from tfx.ops.attention.residue_order import StridedHistory, residue_length, strided_parts
 from tfx.ops.sparse import SparsitySpec
 
 __all__ = ["PAIR_COST", "choose_block_sizes", "choose_pieces", "modelled_cost", "strided_pieces",

@@ -27,13 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from tfx.ops import activations
-from tfx.ops.block_plan import BlockPlan
+from tfx.ops.attention.block_plan import BlockPlan
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "NO_KEYS_LOG_SUM_EXP", "ScoreInputs", "blocked_attention",
            "blocked_attention_backward", "blocked_attention_forward", "soft_cap"]
 
 # Default tile sizes (measured with benchmarks/attention.py): tfx.ops.attention's blocked path
-# and the chunk pairs of tfx.ops.context_parallel.
+# and the chunk pairs of tfx.ops.attention.context_parallel.
 BLOCK_Q = 256
 BLOCK_K = 512
 # Invisible pairs score -inf, while the running max starts at the most negative finite float:
@@ -86,7 +86,7 @@ def blocked_attention(query, key, value, inputs: ScoreInputs, *, plan: BlockPlan
         (once per query rather than once per score).
       key: [B, K, S, D] and value [B, K, S, Dv] with S a multiple of block_k.
       inputs: bias, mask and segment ids, already padded to T and S.
-      plan: the static tiles to visit (`tfx.ops.block_plan.block_plan`).
+      plan: the static tiles to visit (`tfx.ops.attention.block_plan.block_plan`).
       softcap: None, or a float > 0 that caps the scaled scores s = q·k at softcap·tanh(s /
         softcap) before the bias and the mask are applied.
     Returns:

@@ -8,7 +8,8 @@ holds the whole sequence. Two exchanges, chosen by size in `tfx.ops.backends`:
 values travel around the ring with `ppermute`, one hop a step for n steps. At each step the
 device attends its queries to the keys it holds with the blocked kernel and merges the partial
 output with the running one through their log-sum-exp: the online softmax of
-`tfx.ops.blocked_attention`, carried across devices. The backward pass (a custom VJP) sends
+`tfx.ops.attention.blocked_attention`, carried across devices. The backward pass (a custom VJP)
+sends
 the keys and values around once more with their gradients dK, dV travelling beside them, so
 that each device's dK, dV arrive home after the n-th hop. Memory per device is O(T / n); a
 step's transfer does not depend on its compute, so XLA may overlap the two.
@@ -44,9 +45,8 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from tfx.ops import _checks
-from tfx.ops.backends import select_context_exchange
-from tfx.ops.block_plan import BlockPlan, block_plan
-from tfx.ops.blocked_attention import (
+from tfx.ops.attention.block_plan import BlockPlan, block_plan
+from tfx.ops.attention.blocked_attention import (
     BLOCK_K,
     BLOCK_Q,
     NO_KEYS_LOG_SUM_EXP,
@@ -54,10 +54,19 @@ from tfx.ops.blocked_attention import (
     blocked_attention_backward,
     blocked_attention_forward,
 )
+from tfx.ops.attention.kernel import Call, Kernel, key_mask_only, without
+from tfx.ops.attention.splash import call_segment_ids
+from tfx.ops.backends import select_context_exchange
 from tfx.ops.sparse import Offset, SparsitySpec
 
-__all__ = ["CONTEXT_EXCHANGES", "SEQUENCE_AXIS", "context_parallel_attention", "pair_plans",
-           "split_sequence"]
+__all__ = [
+    "CONTEXT_EXCHANGES",
+    "KERNEL",
+    "SEQUENCE_AXIS",
+    "context_parallel_attention",
+    "pair_plans",
+    "split_sequence",
+]
 
 SEQUENCE_AXIS = "sequence"  # as tfx.parallel.mesh names it (ops sit below tfx.parallel)
 BATCH_AXES = ("data", "fsdp", "expert")  # as tfx.parallel.sharding.BATCH_AXES
@@ -92,7 +101,7 @@ def context_parallel_attention(query: jax.Array, key: jax.Array, value: jax.Arra
       scale: score multiplier, default 1/sqrt(head_dim).
       query_segment_ids: optional int [batch, seq]: a query sees only keys of its segment.
       key_segment_ids: int [batch, seq], default query_segment_ids (a key padding mask is
-        passed as key ids no query has, `tfx.ops.splash.key_mask_as_segments`).
+        passed as key ids no query has, `tfx.ops.attention.splash.key_mask_as_segments`).
       axis: the mesh axis the sequence is split over.
       exchange: "ring", "all_gather" or None (`tfx.ops.backends.select_context_exchange`).
       block_sizes: (block_q, block_k) tiles of the blocked kernel within a chunk.
@@ -461,3 +470,31 @@ class _Ring:
 
 def _at(ids: jax.Array | None, index: int) -> jax.Array | None:
     return None if ids is None else ids[index]
+
+
+def _sequence_split(platform, case):
+    if case.sequence_devices < 2:
+        return "a mesh with a \"sequence\" axis of size >= 2 (inside jax.set_mesh)"
+
+
+def _context_lengths(platform, case):
+    # Self-attention whose length cuts into 2 chunks per device (causal load balance).
+    chunks = case.sequence_devices * (1 if case.spec is None else 2)
+    if case.q_len != case.kv_len or case.q_len % chunks:
+        return (f"q_len == kv_len, divisible by {chunks} chunks "
+                f"(got {case.q_len} and {case.kv_len})")
+
+
+def _run(call: Call) -> jax.Array:
+    query_ids, key_ids = call_segment_ids(call) or (None, None)
+    return context_parallel_attention(call.query, call.key, call.value, mesh=call.mesh,
+                                      spec=call.spec, scale=call.scale,
+                                      query_segment_ids=query_ids, key_segment_ids=key_ids,
+                                      block_sizes=call.block_sizes, softcap=call.softcap)
+
+
+# Tried first on every platform: under a mesh that splits the sequence, attention that can run
+# context-parallel does; its tiles use the blocked kernel (which soft-caps).
+KERNEL = Kernel("context_parallel", _run,
+                needs=(_sequence_split, without("has_bias", "bias"), key_mask_only,
+                       _context_lengths))

@@ -6,7 +6,8 @@ puts one visible key every `stride` columns, so every tile below the diagonal ho
 blocked kernel visits them all: no tile size follows those pairs. Regrouped by residue, with
 position i = a·stride + r moved to r·n + a (n = ceil(length / stride) tokens per residue), the
 strided part is a strictly causal triangle on each of the `stride` diagonal blocks of n x n,
-which tiles follow closely. `tfx.ops.blocked_pieces` attends the local part in token order and
+which tiles follow closely. `tfx.ops.attention.blocked_pieces` attends the local part in token order
+and
 the strided part in residue order, and merges the two by their log-sum-exp.
 """
 

@@ -1,9 +1,9 @@
 """Scaled dot-product attention: MHA, GQA and MQA, masks, bias, sparsity, self and cross.
 
 The public entry point validates its arguments, folds `is_causal` and `sparsity` into one static
-spec, and dispatches to an implementation chosen by `tfx.ops.backends` for the platform.
-"reference" materialises the [B, H, T, S] scores and is the definition every faster kernel is
-tested against.
+spec, and runs the kernel record (`tfx.ops.attention.kernel.Kernel`) that
+`tfx.ops.attention.selection` picks from the table for the platform. "reference" materialises
+the [B, H, T, S] scores and is the definition every faster kernel is tested against.
 """
 
 from __future__ import annotations
@@ -15,36 +15,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from tfx.ops import _checks
-from tfx.ops.backends import (
-    BLOCKED_MIN_SCORES,
-    AttentionCase,
-    attention_unavailable,
-    current_platform,
-    select_attention,
-)
-from tfx.ops.blocked_attention import ScoreInputs, soft_cap
-from tfx.ops.blocked_pieces import Piece, pieced_attention
-from tfx.ops.context_parallel import SEQUENCE_AXIS, context_parallel_attention
-from tfx.ops.gpu_attention import cudnn_attention, pallas_gpu_attention
-from tfx.ops.masks import combine_masks, segment_mask
-from tfx.ops.score_products import key_query_scores, query_key_scores, weighted_values
+from tfx.ops.attention.context_parallel import SEQUENCE_AXIS
+from tfx.ops.attention.kernel import AttentionCase, Call
+from tfx.ops.attention.reference import reference_attention
+from tfx.ops.attention.score_products import key_query_scores
+from tfx.ops.attention.selection import attention_unavailable, kernel, select_attention
+from tfx.ops.attention.table import IMPLEMENTATIONS
+from tfx.ops.backends import current_platform
 from tfx.ops.sparse import Causal, SparsitySpec
-from tfx.ops.splash import key_mask_as_segments, splash_attention
-from tfx.ops.tile_sizes import choose_block_sizes, choose_pieces
 
 __all__ = [
-    "BLOCKED_MIN_SCORES",
     "IMPLEMENTATIONS",
     "cached_attention",
     "dot_product_attention",
     "static_spec",
 ]
-
-IMPLEMENTATIONS = ("reference", "blocked", "cudnn", "pallas_gpu", "splash", "context_parallel")
-
-# Masked logits take the most negative finite float32 rather than -inf: a fully masked row then
-# stays finite (no inf - inf) and the explicit zeroing below turns it into zeros.
-_MASKED_LOGIT = float(np.finfo(np.float32).min)
 
 
 @functools.partial(
@@ -100,14 +85,14 @@ def dot_product_attention(
         causal mask, `sparsity` or key padding leave empty, and tiles that `mask` or segment ids
         leave empty for the whole batch), "cudnn" (GPU), "pallas_gpu" (GPU), "splash" (TPU), or
         "context_parallel" (self-attention with the sequence split over the "sequence" axis
-        of the mesh the call is traced under: `tfx.ops.context_parallel`), or
+        of the mesh the call is traced under: `tfx.ops.attention.context_parallel`), or
         None: the fastest one that can run this call on `jax.default_backend()`, as tabled in
-        `tfx.ops.backends` (context_parallel under a mesh whose "sequence" axis has 2 devices
+        `tfx.ops.attention.table` (context_parallel under a mesh whose "sequence" axis has 2 devices
         or more; on CPU: "blocked" when q_len·kv_len >= BLOCKED_MIN_SCORES, else
         "reference"). Forcing one that cannot run raises a ValueError naming what it lacks.
         "pallas_gpu" and "splash" forced on CPU run in Pallas interpret mode (slow; for tests).
       block_sizes: (block_q, block_k) tile sizes of the blocked path, each capped at its
-        sequence length; default: chosen per call by `tfx.ops.tile_sizes.choose_pieces`
+        sequence length; default: chosen per call by `tfx.ops.attention.tile_sizes.choose_pieces`
         (BLOCK_Q x BLOCK_K without a static mask, smaller tiles where a sparse one leaves them
         emptier, and, without a bias, a strided pattern in two passes: its window, and its
         strided pairs in residue order). Given tiles run in one pass.
@@ -146,51 +131,10 @@ def dot_product_attention(
     if _nothing_to_attend(query.shape, kv_len, value_dim):
         return jnp.zeros((*query.shape[:3], value_dim), value.dtype)
     segments = (query_segment_ids, key_segment_ids)
-    return _run_kernel(implementation, platform, query, key, value, bias, mask, segments, spec,
-                       (scale, softcap), mesh, block_sizes)
+    call = Call(query, key, value, bias, mask, segments, spec, scale, softcap, mesh, block_sizes,
+                platform)
+    return kernel(implementation).run(call)
 
-
-def _run_kernel(implementation: str, platform: str, query, key, value, bias, mask, segments,
-                spec, scores: tuple[float, float | None], mesh,
-                block_sizes: tuple[int, int] | None) -> jax.Array:
-    """Run the selected kernel on validated arguments; segments: (query ids, key ids), either
-    None; scores: (scale, softcap or None), how q·k becomes a score; block_sizes: the caller's
-    tiles, or None for the kernel's own choice."""
-    scale, softcap = scores
-    (batch, q_len), kv_len = query.shape[:2], key.shape[1]
-    query_segment_ids, key_segment_ids = segments
-    # CPU runs the Pallas kernels only through the interpreter.
-    interpret = platform == "cpu"
-    if implementation == "cudnn":
-        return cudnn_attention(query, key, value, bias, spec, scale)
-    if implementation == "pallas_gpu":
-        return pallas_gpu_attention(query, key, value, query_segment_ids, spec, scale,
-                                    interpret=interpret)
-    if implementation in ("splash", "context_parallel"):  # segment ids, no mask
-        ids = None if query_segment_ids is None else segments
-        if mask is not None:  # a padding mask: padded keys join no query's segment
-            ids = key_mask_as_segments(mask, ids, batch, q_len, kv_len)
-        if implementation == "splash":
-            return splash_attention(query, key, value, ids, spec, scale, interpret=interpret,
-                                    softcap=softcap)
-        query_ids, key_ids = ids or (None, None)
-        return context_parallel_attention(query, key, value, mesh=mesh, spec=spec, scale=scale,
-                                          query_segment_ids=query_ids, key_segment_ids=key_ids,
-                                          block_sizes=block_sizes, softcap=softcap)
-    if implementation == "blocked":
-        if block_sizes is not None:
-            pieces = (Piece(spec, 1, *block_sizes),)
-        elif bias is not None:  # pieces merge without a bias gradient
-            pieces = (Piece(spec, 1, *choose_block_sizes(spec, q_len, kv_len)),)
-        else:
-            pieces = choose_pieces(spec, q_len, kv_len)
-        return _blocked(query, key, value, bias, mask, segments, scores, pieces)
-    if query_segment_ids is not None:
-        mask = combine_masks(mask, segment_mask(query_segment_ids, key_segment_ids))
-    if spec is not None:
-        mask = combine_masks(mask, jnp.asarray(spec.dense(q_len, kv_len)[None, None]))
-    key, value = (x.transpose(0, 2, 1, 3) for x in (key, value))
-    return _reference_attention(query, key, value, bias, mask, scores, query_key_scores)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap"))
@@ -203,7 +147,7 @@ def cached_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
     layout differs. Heads-major lets XLA contract every head without first transposing the whole
     cache, which on CPU made decoding attention ~2.5x slower in the [batch, kv_len, heads, dim]
     layout (measured: GPT-2 width 384, batch 8, 192 cached tokens). The scores are computed as
-    K·Qᵀ (`tfx.ops.score_products.key_query_scores`), which reads the cache as stored at
+    K·Qᵀ (`tfx.ops.attention.score_products.key_query_scores`), which reads the cache as stored at
     batch 1 and with one KV head too.
 
     Args:
@@ -238,7 +182,7 @@ def cached_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
         scale = 1.0 / float(np.sqrt(head_dim))
     if _nothing_to_attend(query.shape, key.shape[2], value.shape[3]):
         return jnp.zeros((*query.shape[:3], value.shape[3]), value.dtype)
-    return _reference_attention(query, key, value, bias, mask, (scale, softcap),
+    return reference_attention(query, key, value, bias, mask, (scale, softcap),
                                 key_query_scores)
 
 
@@ -255,7 +199,7 @@ def _check_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
 
 def _case(query, key, value, bias, mask, has_segments: bool, cross_segments: bool, spec,
           mesh: jax.sharding.AbstractMesh, *, has_softcap: bool) -> AttentionCase:
-    """The static facts of a call that `tfx.ops.backends` selects its kernel by."""
+    """The static facts of a call that `tfx.ops.attention.selection` selects its kernel by."""
     return AttentionCase(
         dtype=query.dtype, q_len=query.shape[1], kv_len=key.shape[1], num_heads=query.shape[2],
         num_kv_heads=key.shape[2], head_dim=query.shape[3], value_dim=value.shape[3],
@@ -317,62 +261,7 @@ def _block_sizes(block_sizes, q_len: int, kv_len: int) -> tuple[int, int] | None
     return min(block_q, q_len), min(block_k, kv_len)
 
 
-def _blocked(query, key, value, bias, mask, segments, scores, pieces):
-    """Regroup heads, run the blocked kernel's pieces (`tfx.ops.blocked_pieces`), and undo the
-    grouping; scores: (scale, softcap or None)."""
-    scale, softcap = scores
-    batch, q_len, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[2]
-    group = num_heads // num_kv_heads
-    grouped_query = (query * jnp.asarray(scale, query.dtype)).reshape(
-        batch, q_len, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
-    key, value = (x.transpose(0, 2, 1, 3) for x in (key, value))
-    bias, mask = (None if x is None else _grouped(x, num_kv_heads) for x in (bias, mask))
-    out = pieced_attention(grouped_query, key, value, ScoreInputs(bias, mask, *segments),
-                           pieces, softcap)
-    out = out.transpose(0, 3, 1, 2, 4)
-    return out.reshape(batch, q_len, num_heads, value.shape[-1]).astype(value.dtype)
 
-
-def _grouped(x: jax.Array, num_kv_heads: int) -> jax.Array:
-    """[b, h, t, s] (any dim may be 1) -> [b, k, g, t, s] matching grouped query heads."""
-    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
-    b, h, t, s = x.shape
-    if h == 1:
-        return x[:, :, None]
-    return x.reshape(b, num_kv_heads, h // num_kv_heads, t, s)
-
-
-def _reference_attention(query, key, value, bias, mask, scores, score_product):
-    """The materialised-scores maths over heads-major key and value [batch, num_kv_heads,
-    kv_len, dim]; scores: (scale, softcap or None); score_product: `query_key_scores`, or
-    `key_query_scores` for the few queries of a decoding step (`tfx.ops.score_products`)."""
-    scale, softcap = scores
-    batch, q_len, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[1]
-    grouped_query = query.reshape(batch, q_len, num_kv_heads, num_heads // num_kv_heads,
-                                  head_dim).transpose(0, 2, 3, 1, 4)
-    logits = score_product(grouped_query, key)
-    logits, _ = soft_cap(logits * jnp.float32(scale), softcap)  # Gemma 2: before bias and mask
-    mask = None if mask is None else _grouped(mask, num_kv_heads)
-    if bias is not None:
-        bias = _grouped(bias, num_kv_heads)
-        logits = logits + bias.astype(jnp.float32)
-        # A -inf bias hides its key as the mask does, so that a row it hides entirely returns
-        # zeros with zero gradients (as in the blocked kernel) instead of exp(-inf + inf) = NaN.
-        visible = ~jnp.isneginf(bias)
-        mask = visible if mask is None else mask & visible
-    if mask is not None:
-        logits = jnp.where(mask, logits, _MASKED_LOGIT)
-    # Softmax is shift invariant, so the row max needs no gradient.
-    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    weights = jnp.exp(logits - row_max)
-    if mask is not None:
-        weights = jnp.where(mask, weights, 0.0)
-    total = jnp.sum(weights, axis=-1, keepdims=True)
-    probs = weights / jnp.where(total == 0.0, 1.0, total)
-    out = weighted_values(probs.astype(value.dtype), value).transpose(0, 3, 1, 2, 4)
-    return out.reshape(batch, q_len, num_heads, value.shape[-1])
 
 
 def _validate_segments(query_segments, key_segments, query_batch_len, key_batch_len) -> None:
