@@ -61,7 +61,7 @@ class LoRASettings:
     targets: str | tuple[str, ...] = ("query", "value")
     """Module names that get updates (query, key, value, out, up, gate, down, tokens, head), or
     one regex over module paths (peft's target_modules)."""
-    init_style: Literal["peft", "seed", "seed_normal"] = "peft"
+    init_style: Literal[LORA_INIT_STYLES] = "peft"
     """peft: a Kaiming-uniform ±1/sqrt(d_in), b zero (embeddings: a zero, b N(0, 1)); seed: b
     zero, a uniform ±init_scale/sqrt(r); seed_normal: b zero, a N(0, init_scale)."""
     init_scale: float = 0.05
@@ -93,7 +93,7 @@ class SoftPromptSettings:
 
     num_tokens: int
     """G, the number of prompt vectors (>= 1)."""
-    init: Literal["random", "vocab", "text"] = "random"
+    init: Literal[PROMPT_INITS] = "random"
     """random: N(0, init_std); vocab: embeddings of random vocabulary tokens; text: embeddings
     of text_ids, repeated or cut to G."""
     text_ids: tuple[int, ...] | None = None
@@ -148,7 +148,7 @@ class PrefixSettings:
 class AdapterSettings:
     """Bottleneck adapters (Houlsby et al. 2019, Pfeiffer et al. 2020) after sub-layers."""
 
-    placement: Literal["houlsby", "pfeiffer"] = "houlsby"
+    placement: Literal[ADAPTER_PLACEMENTS] = "houlsby"
     """houlsby: after attention and MLP; pfeiffer: after the MLP only."""
     size: int | None = None
     """Bottleneck width; None: d_model // reduction."""

@@ -12,7 +12,7 @@ import contextlib
 import time
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
@@ -46,47 +46,58 @@ def create_app(served: Served, *, num_pages: int, page_size: int = 16, max_batch
     app = FastAPI(title="tfx serve", lifespan=lifespan)
     app.state.worker, app.state.served = worker, served
     _errors(app)
-
-    @app.get("/health")
-    async def health() -> dict:
-        free, pending = await worker.call(lambda e: (e.num_free_pages, e.num_pending))
-        return {"status": "ok", "pages": engine.allocator.num_pages, "free_pages": free,
-                "requests": pending}
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        made = int(time.time())
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": made, "owned_by": "tfx",
-             **({"parent": served.name} if name != served.name else {})}
-            for name in (served.name, *served.adapters)]}
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        prompt = (np.asarray(body.prompt, np.int64) if isinstance(body.prompt, list)
-                  else np.asarray(served.tokenizer.encode(body.prompt)))
-        choices = Choices(worker, served.tokenizer, body, prompt, max_tokens=body.max_tokens,
-                          eos=served.eos, variant=_variant(served, body.model))
-        return await _answer(choices, body, request, chat=False, logprobs=body.logprobs is not None)
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
-        tokenizer = served.tokenizer
-        if not hasattr(tokenizer, "encode_chat"):
-            raise OpenAIError(400, f"model {served.name!r} has no chat template (serve a "
-                              "Hugging Face folder, or a run started from one)", param="messages")
-        try:
-            prompt, _ = tokenizer.encode_chat([m.text() for m in body.messages],
-                                              add_generation_prompt=True)
-        except ValueError as error:
-            raise OpenAIError(400, str(error), param="messages") from None
-        eos = tuple(dict.fromkeys((*([tokenizer.eos_id] if tokenizer.eos_id is not None
-                                     else []), *served.eos)))
-        choices = Choices(worker, tokenizer, body, prompt, max_tokens=body.token_limit,
-                          eos=eos, variant=_variant(served, body.model))
-        return await _answer(choices, body, request, chat=True, logprobs=body.logprobs)
-
+    app.include_router(ROUTES)
     return app
+
+
+# The routes read the served model and the worker from the app they belong to.
+ROUTES = APIRouter()
+
+
+@ROUTES.get("/health")
+async def health(request: Request) -> dict:
+    free, pending, pages = await request.app.state.worker.call(
+        lambda e: (e.num_free_pages, e.num_pending, e.allocator.num_pages))
+    return {"status": "ok", "pages": pages, "free_pages": free, "requests": pending}
+
+
+@ROUTES.get("/v1/models")
+async def models(request: Request) -> dict:
+    served, made = request.app.state.served, int(time.time())
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": made, "owned_by": "tfx",
+         **({"parent": served.name} if name != served.name else {})}
+        for name in (served.name, *served.adapters)]}
+
+
+@ROUTES.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    served = request.app.state.served
+    prompt = (np.asarray(body.prompt, np.int64) if isinstance(body.prompt, list)
+              else np.asarray(served.tokenizer.encode(body.prompt)))
+    choices = Choices(request.app.state.worker, served.tokenizer, body, prompt,
+                      max_tokens=body.max_tokens, eos=served.eos,
+                      variant=_variant(served, body.model))
+    return await _answer(choices, body, request, chat=False, logprobs=body.logprobs is not None)
+
+
+@ROUTES.post("/v1/chat/completions")
+async def chat(body: ChatRequest, request: Request):
+    served = request.app.state.served
+    tokenizer = served.tokenizer
+    if not hasattr(tokenizer, "encode_chat"):
+        raise OpenAIError(400, f"model {served.name!r} has no chat template (serve a Hugging "
+                          "Face folder, or a run started from one)", param="messages")
+    try:
+        prompt, _ = tokenizer.encode_chat([m.text() for m in body.messages],
+                                          add_generation_prompt=True)
+    except ValueError as error:
+        raise OpenAIError(400, str(error), param="messages") from None
+    eos = tuple(dict.fromkeys((*([tokenizer.eos_id] if tokenizer.eos_id is not None else []),
+                               *served.eos)))
+    choices = Choices(request.app.state.worker, tokenizer, body, prompt,
+                      max_tokens=body.token_limit, eos=eos, variant=_variant(served, body.model))
+    return await _answer(choices, body, request, chat=True, logprobs=body.logprobs)
 
 
 def _variant(served: Served, model: str) -> int:

@@ -17,7 +17,13 @@ from typing import Annotated, ClassVar, Literal
 
 import tyro
 
-from tfx.peft.settings import AdapterSettings, LoRASettings, PrefixSettings, SoftPromptSettings
+from tfx.peft.settings import (
+    PROMPT_INITS,
+    AdapterSettings,
+    LoRASettings,
+    PrefixSettings,
+    SoftPromptSettings,
+)
 
 __all__ = ["METHODS", "AdapterTuning", "FullTuning", "LoraTuning", "PeftConfig", "PrefixTuning",
            "PromptTuning", "peft_config"]
@@ -94,7 +100,7 @@ class PromptTuning(_Method, SoftPromptSettings):
     peft_class: ClassVar[str] = "SoftPrompt"
     num_tokens: int = 16
     """Learned positions (16 unless told)."""
-    init: Literal["random", "vocab", "text"] = "vocab"
+    init: Literal[PROMPT_INITS] = "vocab"
     """Start from embeddings of random vocabulary tokens (vocab), random vectors, or the
     embeddings of text_ids (text)."""
 
