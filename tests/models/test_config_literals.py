@@ -9,8 +9,7 @@ from typing import get_args
 import pytest
 
 from tfx.models import config, parts
-from tfx.nn.attention import QK_NORMS
-from tfx.nn.norms import NORMS
+from tfx.nn.norms import NORMS, QK_NORMS
 from tfx.nn.remat import POLICIES as REMAT_POLICIES
 from tfx.ops import attention, moe
 from tfx.ops.activations import ACTIVATIONS

@@ -8,17 +8,17 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from tfx.models.config import TransformerConfig, compute_dtype
-from tfx.nn.attention import Attention
-from tfx.nn.caches import NoCache
+from tfx.nn.attention import Attention, NoCache
 from tfx.nn.dropout import make_dropout
 from tfx.nn.latent_attention import LatentAttention
 from tfx.nn.mlp import MLP
 from tfx.nn.moe import MoE
 from tfx.nn.norms import make_norm
 from tfx.nn.positions import ALiBi, Position, Rotary, TransformerXL
-from tfx.nn.remat import ATTENTION_OUT, MLP_OUT, checkpoint_policy, tag
+from tfx.nn.remat import ATTENTION_OUT, MLP_OUT, checkpoint_policy
 from tfx.ops.backends import current_platform
 from tfx.ops.kv_cache import LayerKV
 
@@ -123,7 +123,7 @@ class Block(nnx.Module):
         with jax.named_scope("attention"):
             h = self.attention(h, cache=cache, **attention_args)
         h, cache = (h, None) if cache is None else h
-        layer_input, x = x, self.residual("attention", x, tag(h, ATTENTION_OUT))
+        layer_input, x = x, self.residual("attention", x, checkpoint_name(h, ATTENTION_OUT))
         if self.cross_attention is not None:
             segments = {} if context_segment_ids is None else dict(
                 query_segment_ids=attention_args.get("query_segment_ids"),
@@ -131,11 +131,11 @@ class Block(nnx.Module):
             h = self.branch_input("cross", x)
             with jax.named_scope("cross_attention"):
                 h = self.cross_attention(h, context, mask=context_mask, **segments)
-            x = self.residual("cross", x, tag(h, ATTENTION_OUT))
+            x = self.residual("cross", x, checkpoint_name(h, ATTENTION_OUT))
         h = self.branch_input("mlp", layer_input if self.parallel_mlp else x)
         with jax.named_scope("mlp"):
             h = self.mlp(h, token_mask) if isinstance(self.mlp, MoE) else self.mlp(h)
-        x = self.residual("mlp", x, tag(h, MLP_OUT))
+        x = self.residual("mlp", x, checkpoint_name(h, MLP_OUT))
         return x if cache is None else (x, cache)
 
     def branch_input(self, branch: str, x: jax.Array) -> jax.Array:

@@ -1,7 +1,7 @@
 """Flax NNX modules: thin wrappers that own parameters and call `tfx.ops`."""
 
-from tfx.nn.attention import Attention
-from tfx.nn.caches import CrossKV, Keys, KVLayer, NoCache, SegmentLayer
+from tfx.nn.attention import Attention, CrossKV, Keys, NoCache
+from tfx.nn.caches import KVLayer, SegmentLayer
 from tfx.nn.embeddings import LearnedPositions, SinusoidalPositions, TokenEmbedding
 from tfx.nn.latent_attention import LatentAttention
 from tfx.nn.mlp import ACTIVATIONS, MLP

@@ -1,30 +1,38 @@
-"""Multi-head attention (MHA / GQA / MQA, self or cross) as a Flax NNX module.
+"""Multi-head attention (MHA / GQA / MQA, self or cross) as a Flax NNX module, and the `Keys`
+it attends.
 
 A call reads top to bottom: project queries (and the call's keys and values), encode positions
-(`tfx.nn.positions`), take what the cache adds (`tfx.nn.caches`), run the kernel
+(`tfx.nn.positions`), take what the cache adds (`NoCache` here for plain self- and
+cross-attention; the KV caches in `tfx.nn.caches`), run the kernel on the `Keys`
 (`tfx.ops.dot_product_attention`), project the output.
+
+A cache kind answers three questions, in this order:
+1. `sources(x, context)`: the input the call's new keys and values are projected from (None:
+   the call brings no new keys, all come from the cache);
+2. `query_positions(positions, q_len)`: the true positions of the call's queries;
+3. `attend(keys, x) -> (keys, state)`: given the call's own `Keys` (projected, rotated), the
+   `Keys` every query attends and the layer's next cache state (None: nothing to return).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from tfx import names
 from tfx.nn import axes
-from tfx.nn.caches import Keys, NoCache, cache_for
 from tfx.nn.linear import flat_linear
-from tfx.nn.norms import make_norm
+from tfx.nn.norms import QKNorm
 from tfx.nn.positions import Position
-from tfx.nn.remat import KEY_PROJ, QUERY_PROJ, VALUE_PROJ, tag
-from tfx.ops.attention import IMPLEMENTATIONS
+from tfx.nn.remat import KEY_PROJ, QUERY_PROJ, VALUE_PROJ
+from tfx.ops.attention import IMPLEMENTATIONS, dot_product_attention
 from tfx.ops.kv_cache import LayerKV
 from tfx.ops.sparse import SparsitySpec
 
-__all__ = ["QK_NORMS", "Attention", "QKNorm"]
-
-QK_NORMS = names.QK_NORMS
+__all__ = ["Attention", "CrossKV", "Keys", "NoCache", "cache_for"]
 
 
 class Attention(nnx.Module):
@@ -123,8 +131,8 @@ class Attention(nnx.Module):
           positions: int [batch, q_len] or [q_len], true positions of the queries (default
             0 .. q_len - 1); key_positions likewise for the keys (default: the query positions
             in self-attention, 0 .. kv_len - 1 in cross-attention).
-          cache: a cache kind of `tfx.nn.caches` (a KV cache layer with its step, which then
-            supplies positions and the mask, or a Transformer-XL memory), or None.
+          cache: a cache kind (one of `tfx.nn.caches`: a KV cache layer with its step, which
+            then supplies positions and the mask, or a Transformer-XL memory), or None.
           mask: bool, broadcastable to [batch, heads, q_len, kv_len], as in
             `tfx.ops.dot_product_attention`.
           bias: as in `tfx.ops.dot_product_attention`.
@@ -139,7 +147,8 @@ class Attention(nnx.Module):
         if x.ndim != 3:
             raise ValueError(f"x must have 3 dims [batch, q_len, d_model], got shape {x.shape}")
         source = cache_for(cache, context)
-        query = self._heads(tag(self.query(x), QUERY_PROJ), self.num_heads, self.query_norm)
+        query = checkpoint_name(self.query(x), QUERY_PROJ)  # what a remat policy may keep
+        query = self._heads(query, self.num_heads, self.query_norm)
         inputs = source.sources(x, context)
         key, value = (None, None) if inputs is None else self._project(inputs)
         positions = source.query_positions(positions, x.shape[1])
@@ -169,8 +178,10 @@ class Attention(nnx.Module):
 
     def _project(self, source: jax.Array) -> tuple[jax.Array, jax.Array]:
         """[batch, kv_len, features] -> keys and values [batch, kv_len, num_kv_heads, head_dim]."""
-        return (self._heads(tag(self.key(source), KEY_PROJ), self.num_kv_heads, self.key_norm),
-                self._heads(tag(self.value(source), VALUE_PROJ), self.num_kv_heads))
+        key = checkpoint_name(self.key(source), KEY_PROJ)
+        value = checkpoint_name(self.value(source), VALUE_PROJ)
+        return (self._heads(key, self.num_kv_heads, self.key_norm),
+                self._heads(value, self.num_kv_heads))
 
     def _heads(self, x: jax.Array, num_heads: int, norm: QKNorm | None = None) -> jax.Array:
         """[batch, seq, num_heads * head_dim] -> [batch, seq, num_heads, head_dim], normalised
@@ -179,19 +190,82 @@ class Attention(nnx.Module):
         return x.reshape(*x.shape[:2], num_heads, self.head_dim)
 
 
-class QKNorm(nnx.Module):
-    """RMSNorm of projected queries or keys [batch, seq, heads · head_dim]: over each head's
-    head_dim features ("per_head", one scale [head_dim] shared by the heads) or over all
-    features at once ("across_heads", a scale [heads · head_dim])."""
+@dataclasses.dataclass(frozen=True)
+class Keys:
+    """Keys and values the queries attend, with everything that says which they may see.
 
-    def __init__(self, kind: str, num_heads: int, head_dim: int, eps: float, dtype, param_dtype,
-                 rngs: nnx.Rngs):
-        if kind not in QK_NORMS:
-            raise ValueError(f"qk_norm must be one of {QK_NORMS} or None, got {kind!r}")
-        self.width = head_dim if kind == "per_head" else num_heads * head_dim
-        self.norm = make_norm("rms", self.width, epsilon=eps, dtype=dtype,
-                              param_dtype=param_dtype, rngs=rngs)
+    key, value: [batch, kv_len, num_kv_heads, head_dim], or heads-major [batch, num_kv_heads,
+      kv_len, head_dim] when `heads_major` (as caches store them).
+    positions: int [batch or 1, kv_len] true positions of the keys, or None (distances only).
+    mask, bias, is_causal, sparsity, query_segment_ids, key_segment_ids: as in
+      `tfx.ops.dot_product_attention`.
+    """
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        groups = x.reshape(*x.shape[:-1], -1, self.width)
-        return self.norm(groups).reshape(x.shape)
+    key: jax.Array
+    value: jax.Array
+    positions: jax.Array | None = None
+    mask: jax.Array | None = None
+    bias: jax.Array | None = None
+    is_causal: bool = False
+    sparsity: SparsitySpec | None = None
+    query_segment_ids: jax.Array | None = None
+    key_segment_ids: jax.Array | None = None
+    heads_major: bool = False
+
+    @property
+    def kv_len(self) -> int:
+        return self.key.shape[2 if self.heads_major else 1]
+
+    def with_bias(self, bias: jax.Array | None) -> Keys:
+        """These keys with `bias` added to their score bias (None adds nothing)."""
+        if bias is None:
+            return self
+        return dataclasses.replace(self, bias=bias if self.bias is None else self.bias + bias)
+
+    def attention(self, query: jax.Array, *, scale: float | None, softcap: float | None,
+                  implementation: str | None,
+                  block_sizes: tuple[int, int] | None) -> jax.Array:
+        """[batch, q_len, num_heads, head_dim] -> [batch, q_len, num_heads, value_dim]:
+        `tfx.ops.dot_product_attention` of the queries over these keys."""
+        return dot_product_attention(
+            query, self.key, self.value, bias=self.bias, mask=self.mask,
+            is_causal=self.is_causal, scale=scale, softcap=softcap, sparsity=self.sparsity,
+            query_segment_ids=self.query_segment_ids, key_segment_ids=self.key_segment_ids,
+            implementation=implementation, block_sizes=block_sizes,
+            heads_major=self.heads_major)
+
+
+class NoCache:
+    """Attention over the call's own keys: from `x` (self) or `context` (cross)."""
+
+    def sources(self, x: jax.Array, context: jax.Array | None) -> jax.Array:
+        return x if context is None else context
+
+    def query_positions(self, positions: jax.Array | None, q_len: int) -> jax.Array:
+        return jnp.arange(q_len) if positions is None else positions
+
+    def attend(self, keys: Keys, x: jax.Array) -> tuple[Keys, None]:
+        return keys, None
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossKV(NoCache):
+    """A cross-attention's keys and values of one encoder output, computed once
+    (`Attention.keys_values`), heads-major; the call projects only its queries."""
+
+    kv: LayerKV
+
+    def sources(self, x, context):
+        return None
+
+    def attend(self, keys, x):
+        return dataclasses.replace(keys, key=self.kv.key, value=self.kv.value,
+                                   heads_major=True), None
+
+
+def cache_for(cache: NoCache | None, context: jax.Array | LayerKV | None) -> NoCache:
+    """The cache kind serving a call: `cache` itself, or for none, the precomputed keys of a
+    `LayerKV` context or plain attention."""
+    if cache is not None:
+        return cache
+    return CrossKV(context) if isinstance(context, LayerKV) else NoCache()

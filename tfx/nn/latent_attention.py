@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfx.nn import axes
-from tfx.nn.caches import Keys, KVLayer, NoCache
+from tfx.nn.attention import Keys, NoCache
+from tfx.nn.caches import KVLayer
 from tfx.nn.linear import flat_linear, is_plain
 from tfx.nn.norms import make_norm
 from tfx.nn.positions import Position

@@ -1,4 +1,5 @@
-"""Normalisation layers by name: LayerNorm (BERT, GPT-2) and RMSNorm (LLaMA, T5).
+"""Normalisation layers by name: LayerNorm (BERT, GPT-2) and RMSNorm (LLaMA, T5); `QKNorm`, the
+RMSNorm of projected queries and keys (Qwen 3, Gemma 3, OLMo 2).
 
 Both are subclasses of Flax's layers with the same parameters, settings and checkpoint layout,
 whose call is `tfx.ops.norms`' function: the same maths, with the scale and bias gradients
@@ -14,9 +15,9 @@ from flax import nnx
 from tfx import names
 from tfx.ops.norms import layer_norm, rms_norm
 
-__all__ = ["NORMS", "LayerNorm", "RMSNorm", "make_norm"]
+__all__ = ["NORMS", "QK_NORMS", "LayerNorm", "QKNorm", "RMSNorm", "make_norm"]
 
-NORMS = names.NORMS
+NORMS, QK_NORMS = names.NORMS, names.QK_NORMS
 
 
 class LayerNorm(nnx.LayerNorm):
@@ -54,3 +55,21 @@ def make_norm(kind: str, d_model: int, *, epsilon: float, dtype=None, param_dtyp
         return RMSNorm(d_model, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
                        rngs=rngs)
     raise ValueError(f"norm must be one of {NORMS}, got {kind!r}")
+
+
+class QKNorm(nnx.Module):
+    """RMSNorm of projected queries or keys [batch, seq, heads · head_dim]: over each head's
+    head_dim features ("per_head", one scale [head_dim] shared by the heads) or over all
+    features at once ("across_heads", a scale [heads · head_dim])."""
+
+    def __init__(self, kind: str, num_heads: int, head_dim: int, eps: float, dtype, param_dtype,
+                 rngs: nnx.Rngs):
+        if kind not in QK_NORMS:
+            raise ValueError(f"qk_norm must be one of {QK_NORMS} or None, got {kind!r}")
+        self.width = head_dim if kind == "per_head" else num_heads * head_dim
+        self.norm = make_norm("rms", self.width, epsilon=eps, dtype=dtype,
+                              param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        groups = x.reshape(*x.shape[:-1], -1, self.width)
+        return self.norm(groups).reshape(x.shape)

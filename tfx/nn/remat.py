@@ -3,8 +3,9 @@
 A rematerialised layer (`jax.checkpoint`, `nnx.remat`) keeps what its policy saves from the
 forward pass and recomputes the rest in the backward pass. The policy names are
 `tfx.models.parts.REMAT_POLICIES` (jax-free, for the configs and the CLI); `POLICIES` here maps
-each one to its jax policy, in this one place. Tagging a tensor (`tag`) changes no numbers: it
-is an identity that a policy of `jax.checkpoint_policies.save_only_these_names` can select.
+each one to its jax policy, in this one place. The layers tag their tensors with
+`jax.ad_checkpoint.checkpoint_name(x, NAME)` and one of the names here: an identity, changing no
+numbers, that a policy of `jax.checkpoint_policies.save_only_these_names` can select.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 
 __all__ = ["ATTENTION_OUT", "CHECKPOINT_NAMES", "KEY_PROJ", "MLP_OUT", "POLICIES", "QUERY_PROJ",
-           "SAVED_NAMES", "VALUE_PROJ", "checkpoint_policy", "tag"]
+           "SAVED_NAMES", "VALUE_PROJ", "checkpoint_policy"]
 
 # The tensors a layer tags, by what they are: the projected queries, keys and values
 # [batch, seq, heads * head_dim] (tfx.nn.Attention; not LatentAttention's low-rank ones), and
@@ -49,11 +49,3 @@ def checkpoint_policy(name: str) -> Callable[..., bool]:
     if name not in POLICIES:
         raise ValueError(f"remat_policy must be one of {tuple(POLICIES)}, got {name!r}")
     return POLICIES[name]
-
-
-def tag(x: jax.Array, name: str) -> jax.Array:
-    """x unchanged (any shape and dtype), named `name` (one of CHECKPOINT_NAMES) for the
-    policies of rematerialised code around it."""
-    if name not in CHECKPOINT_NAMES:
-        raise ValueError(f"checkpoint name must be one of {CHECKPOINT_NAMES}, got {name!r}")
-    return checkpoint_name(x, name)

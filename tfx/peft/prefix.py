@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tfx.nn.attention import Attention
-from tfx.nn.caches import Keys
+from tfx.nn.attention import Attention, Keys
 from tfx.nn.paths import path_name
 from tfx.ops.attention import static_spec
 from tfx.ops.leading_keys import prepend_keys

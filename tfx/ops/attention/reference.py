@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tfx.ops.attention.blocked_attention import soft_cap
+from tfx.ops.activations import softcap as soft_cap
 from tfx.ops.attention.kernel import Call, Kernel
 from tfx.ops.attention.score_products import query_key_scores, weighted_values
 from tfx.ops.masks import combine_masks, segment_mask
@@ -47,7 +47,7 @@ def reference_attention(query, key, value, bias, mask, scores, score_product):
     grouped_query = query.reshape(batch, q_len, num_kv_heads, num_heads // num_kv_heads,
                                   head_dim).transpose(0, 2, 3, 1, 4)
     logits = score_product(grouped_query, key)
-    logits, _ = soft_cap(logits * jnp.float32(scale), softcap)  # Gemma 2: before bias and mask
+    logits = soft_cap(logits * jnp.float32(scale), softcap)  # Gemma 2: before bias and mask
     mask = None if mask is None else grouped(mask, num_kv_heads)
     if bias is not None:
         bias = grouped(bias, num_kv_heads)
