@@ -40,3 +40,11 @@ def test_the_config_modules_import_without_jax():
     out = _run(f"import sys\nfor m in {modules!r}: __import__(m)\n"
                "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax')))")
     assert out.strip() == "[]"
+
+
+def test_every_public_submodule_is_an_attribute_of_its_lazy_package():
+    # tfx.ops.moe was missing until imported by name: a package's submodules need no entry.
+    out = _run("import tfx\nprint(tfx.ops.moe.__name__, tfx.ops.attention.paged.__name__,"
+               "'moe' in dir(tfx.ops), 'generation' in dir(tfx), tfx.generation.__name__)")
+    assert out.split() == ["tfx.ops.moe", "tfx.ops.attention.paged", "True", "True",
+                           "tfx.generation"]

@@ -238,7 +238,8 @@ class TestBadInput:
     def test_shapes(self):
         q, k, v = self.q, self.k, self.v
         cases = [
-            ((q[0], k, v), ValueError, r"query must have 4 dims \[batch, q_len"),
+            ((q[0, 0], k, v), ValueError, r"query must have 4 dims \[batch, q_len"),
+            ((q[0], k, v), ValueError, r"key must have 3 dims like query"),
             ((q, k[:1], v[:1]), ValueError, r"key batch \(1\) must equal query batch \(2\)"),
             ((q, k[..., :8], v), ValueError, r"key head_dim \(8\) must equal query head_dim"),
             ((q, k, v[:, :4]), ValueError, "value shape"),

@@ -164,7 +164,7 @@ def test_the_nonfinite_settings_are_not_part_of_a_runs_identity():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("nonfinite", "ignore", "nonfinite must be 'stop' or 'skip'"),
+    ("nonfinite", "ignore", r"nonfinite must be one of \('stop', 'skip'\), got 'ignore'"),
     ("max_consecutive_skips", 0, "max_consecutive_skips must be >= 1"),
 ])
 def test_bad_nonfinite_settings_are_refused(field, value, message):

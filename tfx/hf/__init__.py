@@ -5,7 +5,7 @@ Supported architectures (config.json "architectures"; `SUPPORTED` lists them): B
 BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM,
 Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
 Phi3ForCausalLM, Olmo2ForCausalLM, GPTNeoXForCausalLM, DeepseekV3ForCausalLM,
-T5ForConditionalGeneration (one module each in `tfx.hf.families`). The returned module's call
+T5ForConditionalGeneration (one module each, found by `tfx.hf.families`). The returned module's call
 mirrors the Hugging Face class, with the same keyword names, and returns float32 arrays.
 
 Loading is strict: a checkpoint must hold exactly the tensors the config's model has (up to

@@ -13,10 +13,11 @@ from tfx.quant.linear import QuantizedLinear, qwix
 
 __all__ = ["QTYPES", "quantize"]
 
-# qtype name -> Qwix's qtype. int8 / int4: symmetric absmax, scale = max|w| / (qmax + 0.5)
-# (Qwix's convention: the extreme code's bucket is a full unit wide), codes round(w / scale)
-# clipped to the type. nf4: the 16 NormalFloat values of QLoRA (Dettmers et al. 2023) times
-# the block's max|w|, each weight its nearest code.
+# qtype name -> Qwix's qtype; the names are tfx.names.QUANT_TYPES (the command line's choices),
+# kept equal to these keys by tests/train/test_config_literals.py. int8 / int4: symmetric
+# absmax, scale = max|w| / (qmax + 0.5) (Qwix's convention: the extreme code's bucket is a full
+# unit wide), codes round(w / scale) clipped to the type. nf4: the 16 NormalFloat values of
+# QLoRA (Dettmers et al. 2023) times the block's max|w|, each weight its nearest code.
 QTYPES = {"int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4"}
 # Default block along d_in: int8 keeps one scale per output channel; the 4-bit types use
 # QLoRA's 64-weight blocks (16 levels cannot span a whole column's range well).

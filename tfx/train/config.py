@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 
 import tyro
 
+from tfx import names
 from tfx.models.config import SUBCONFIGS, DecoderConfig, EncoderConfig, EncoderDecoderConfig
 from tfx.train.finetuning import METHODS, FullTuning, PeftConfig
 from tfx.train.migration import CONFIG_VERSION, migrate
@@ -115,7 +116,7 @@ class TrainConfig:
     init_from: str | None = None
     """The starting weights (fine-tuning): a tfx run's workdir (its newest checkpoint) or a
     Hugging Face folder, which also gives the model and the tokenizer."""
-    nonfinite: Literal["stop", "skip"] = "stop"
+    nonfinite: Literal[names.NONFINITE_ACTIONS] = "stop"
     """What a step with a non-finite loss or gradient does: stop the run, or skip the step."""
     max_consecutive_skips: int = 10
     """nonfinite="skip": more skipped steps in a row than this stop the run."""
@@ -131,8 +132,9 @@ class TrainConfig:
                      "eval_batches", "checkpoint_every", "keep_checkpoints",
                      "max_consecutive_skips"):
             _at_least(name, getattr(self, name), 1)
-        if self.nonfinite not in ("stop", "skip"):
-            raise ValueError(f"nonfinite must be 'stop' or 'skip', got {self.nonfinite!r}")
+        if self.nonfinite not in names.NONFINITE_ACTIONS:
+            raise ValueError(f"nonfinite must be one of {names.NONFINITE_ACTIONS}, got "
+                             f"{self.nonfinite!r}")
         non_empty_path("train.init_from", self.init_from)
         for name in ("load_balancing_weight", "router_z_weight", "router_bias_rate"):
             _at_least(f"train.{name}", getattr(self, name), 0.0)
@@ -145,7 +147,7 @@ class TrainConfig:
 class DataConfig:
     """Where tokens come from. `source`: None for the embedded corpus (the Python standard
     library's own source files), or a text file / folder; `task`: a synthetic seq2seq task
-    (copy, reverse, sort, addition, addition_reversed) instead of text."""
+    (tfx.train.tasks) instead of text."""
 
     source: str | None = None
     """A text file or folder; None for the embedded corpus (the standard library's source)."""
@@ -153,7 +155,7 @@ class DataConfig:
     """"byte" (byte-level ids) or the path of a tokenizers tokenizer.json."""
     val_fraction: float = 0.05
     """Share of the files held out for validation (split by a hash of their path)."""
-    task: Literal["copy", "reverse", "sort", "addition", "addition_reversed"] | None = None
+    task: Literal[names.TASKS] | None = None
     """A synthetic seq2seq task instead of text."""
     min_len: int = 4
     """Shortest task input."""
@@ -187,15 +189,15 @@ class PreferenceConfig:
 
     beta: float = 0.1
     """How far the policy may move from the reference (DPO's β; SimPO's reward scale)."""
-    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    loss: Literal[names.PREFERENCE_LOSSES] = "sigmoid"
     """The preference loss."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin (gamma)."""
 
     def __post_init__(self):
         _positive("preference.beta", self.beta)
-        if self.loss not in ("sigmoid", "ipo", "simpo"):
-            raise ValueError(f"preference.loss must be 'sigmoid', 'ipo' or 'simpo', got "
+        if self.loss not in names.PREFERENCE_LOSSES:
+            raise ValueError(f"preference.loss must be one of {names.PREFERENCE_LOSSES}, got "
                              f"{self.loss!r}")
         _at_least("preference.simpo_gamma", self.simpo_gamma, 0.0)
 
@@ -229,7 +231,7 @@ class Experiment:
     DecoderConfig, mlm -> EncoderConfig, seq2seq -> EncoderDecoderConfig."""
 
     name: str
-    objective: Literal["causal_lm", "mlm", "seq2seq", "sft", "dpo"]
+    objective: Literal[names.OBJECTIVES]
     """What the run trains for (tfx.train.objectives.OBJECTIVES): causal_lm, mlm, seq2seq, sft
     (instructions or chats, loss on the answers) or dpo (preference pairs)."""
     model: ModelConfig

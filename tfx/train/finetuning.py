@@ -17,6 +17,7 @@ from typing import Annotated, ClassVar, Literal
 
 import tyro
 
+from tfx import names
 from tfx.peft.settings import (
     PROMPT_INITS,
     AdapterSettings,
@@ -78,7 +79,7 @@ class LoraTuning(_Method, LoRASettings):
     # Names only: a command line cannot tell one regex from a list of one name.
     targets: tuple[str, ...] = ("query", "value")
     """Module names that get updates (query, key, value, out, up, gate, down, tokens, head)."""
-    quantize: Literal["int8", "int4", "nf4"] | None = None
+    quantize: Literal[names.QUANT_TYPES] | None = None
     """Quantize the frozen base's linear layers first (tfx.quant; nf4 is QLoRA)."""
 
     base_only: ClassVar[tuple[str, ...]] = ("quantize",)

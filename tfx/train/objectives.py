@@ -7,8 +7,10 @@ batches and loss in one place.
     objective.can_sample        # its model continues text (`tfx sample`, `tfx.generate`)
 
 An experiment names its objective (`Experiment.objective`, the name stored in a run's
-config.json and given on the command line); `OBJECTIVES` maps each name to its object once. A
-new objective is one more class here and its entry in OBJECTIVES, never a branch elsewhere.
+config.json and given on the command line, one of `tfx.names.OBJECTIVES`); `OBJECTIVES` maps
+each name to its object once. A new objective is its name in tfx.names, one more class here and
+its entry in OBJECTIVES (in the same order, which tests/train/test_config_literals.py checks),
+never a branch elsewhere.
 
 This module imports no jax (the command line validates configs without it): the feeds and
 losses, which need numpy and jax, are imported when asked for. The loss functions themselves
@@ -234,6 +236,7 @@ class PreferenceTuning(Objective):
         return PreferenceFeed
 
 
+# Keyed by tfx.names.OBJECTIVES (Experiment.objective's choices), in its order.
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
     CausalLM(), MaskedLM(), SequenceToSequence(), SupervisedFineTuning(), PreferenceTuning())}
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tfx import names
 from tfx.peft.switch import adapters_off
 from tfx.train.sft_feed import (
     ExampleFeed,
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["LOSS_TYPES", "METRICS", "PreferenceFeed", "completion_logps", "dpo_loss",
            "preference_loss", "reference_logps", "simpo_loss"]
 
-LOSS_TYPES = ("sigmoid", "ipo", "simpo")
+LOSS_TYPES = names.PREFERENCE_LOSSES
 METRICS = ("rewards_chosen", "rewards_rejected", "rewards_margin", "rewards_accuracy",
            "logps_chosen", "logps_rejected")
 _REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")

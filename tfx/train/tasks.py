@@ -21,11 +21,12 @@ import re
 
 import numpy as np
 
+from tfx import names
 from tfx.train.tokens import SEQ2SEQ_SPECIALS, ByteTokenizer, _check_int
 
 __all__ = ["TASKS", "SyntheticTask"]
 
-TASKS = ("copy", "reverse", "sort", "addition", "addition_reversed")
+TASKS = names.TASKS
 MAX_ADDITION_DIGITS = 18  # operands and sums stay far below int64's 9.2e18
 _SUM = re.compile(r"(\d+)\+(\d+)")
 

@@ -57,7 +57,11 @@ def dot_product_attention(
     """softmax(cap(query·keyᵀ·scale) + bias, masked) · value, per head.
 
     Args:
-      query: [batch, q_len, num_heads, head_dim].
+      query: [batch, q_len, num_heads, head_dim], or one example [q_len, num_heads, head_dim]
+        (as `jax.nn.dot_product_attention` takes it, so the op vmaps over a per-example
+        function), with key and value likewise without batch, segment ids [length], bias
+        and mask broadcastable to [num_heads, q_len, kv_len], and the result [q_len,
+        num_heads, value_dim].
       key: [batch, kv_len, num_kv_heads, head_dim]; num_kv_heads divides num_heads (MHA: equal,
         GQA: fewer, MQA: one). Query heads h use key head h // (num_heads // num_kv_heads); K/V
         heads are never repeated in memory.
@@ -107,6 +111,12 @@ def dot_product_attention(
       q_len, num_heads or value_dim gives the empty result. num_kv_heads and head_dim must be
       >= 1.
     """
+    if getattr(query, "ndim", None) == 3:  # one example, as jax.nn.dot_product_attention takes it
+        return _one_example(query, key, value, bias=bias, mask=mask, is_causal=is_causal,
+                            scale=scale, softcap=softcap, sparsity=sparsity,
+                            query_segment_ids=query_segment_ids,
+                            key_segment_ids=key_segment_ids, implementation=implementation,
+                            block_sizes=block_sizes, heads_major=heads_major)
     if heads_major:
         if is_causal or sparsity is not None or query_segment_ids is not None:
             raise ValueError("heads-major keys take visibility from mask and bias only: "
@@ -135,6 +145,30 @@ def dot_product_attention(
                 platform)
     return kernel(implementation).run(call)
 
+
+
+def _one_example(query, key, value, *, bias, mask, query_segment_ids, key_segment_ids,
+                 **static) -> jax.Array:
+    """`dot_product_attention` of one example: query [q_len, num_heads, head_dim], key and
+    value [kv_len, num_kv_heads, dim] (or heads-major), segment ids [q_len] / [kv_len]; bias
+    and mask broadcastable to [num_heads, q_len, kv_len]. Returns [q_len, num_heads,
+    value_dim]: the batched result of a batch of one."""
+    for name, x in (("key", key), ("value", value)):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must have 3 dims like query {query.shape} (one example), "
+                             f"got shape {x.shape}")
+    for name, ids in (("query_segment_ids", query_segment_ids),
+                      ("key_segment_ids", key_segment_ids)):
+        if ids is not None and ids.ndim != 1:
+            raise ValueError(f"{name} of one example must be 1-D [length], got shape "
+                             f"{ids.shape}")
+    batched = [None if x is None else x[None] for x in (query, key, value, query_segment_ids,
+                                                        key_segment_ids)]
+    # [heads, q_len, kv_len] broadcasts to [batch, heads, q_len, kv_len] as it is.
+    out = dot_product_attention(*batched[:3], bias=bias, mask=mask,
+                                query_segment_ids=batched[3], key_segment_ids=batched[4],
+                                **static)
+    return out[0]
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap"))
