@@ -26,17 +26,17 @@ def _run(call: Call) -> jax.Array:
     spec, (q_len, kv_len) = call.spec, (call.query.shape[1], call.key.shape[1])
     if call.block_sizes is not None:
         pieces = (Piece(spec, 1, *call.block_sizes),)
-    elif call.bias is not None:  # pieces merge without a bias gradient
+    elif call.bias is not None or call.sinks is not None:  # pieces merge without their gradients
         pieces = (Piece(spec, 1, *choose_block_sizes(spec, q_len, kv_len)),)
     else:
         pieces = choose_pieces(spec, q_len, kv_len)
     return _blocked(call.query, call.key, call.value, call.bias, call.mask, call.segments,
-                    (call.scale, call.softcap), pieces)
+                    (call.scale, call.softcap), pieces, call.sinks)
 
 
-def _blocked(query, key, value, bias, mask, segments, scores, pieces):
+def _blocked(query, key, value, bias, mask, segments, scores, pieces, sinks=None):
     """Regroup heads, run the blocked kernel's pieces (`tfx.ops.attention.blocked_pieces`), and
-    undo the grouping; scores: (scale, softcap or None)."""
+    undo the grouping; scores: (scale, softcap or None); sinks: [num_heads] or None."""
     scale, softcap = scores
     batch, q_len, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[2]
@@ -45,8 +45,10 @@ def _blocked(query, key, value, bias, mask, segments, scores, pieces):
         batch, q_len, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
     key, value = (x.transpose(0, 2, 1, 3) for x in (key, value))
     bias, mask = (None if x is None else grouped(x, num_kv_heads) for x in (bias, mask))
-    out = pieced_attention(grouped_query, key, value, ScoreInputs(bias, mask, *segments),
-                           pieces, softcap)
+    if sinks is not None:
+        sinks = sinks.astype(jnp.float32).reshape(num_kv_heads, group)
+    out = pieced_attention(grouped_query, key, value,
+                           ScoreInputs(bias, mask, *segments, sinks=sinks), pieces, softcap)
     out = out.transpose(0, 3, 1, 2, 4)
     return out.reshape(batch, q_len, num_heads, value.shape[-1]).astype(value.dtype)
 

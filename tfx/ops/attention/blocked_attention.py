@@ -51,13 +51,16 @@ class ScoreInputs:
     """What shapes the scores besides Q and K; any field may be None.
 
     bias: float [b, k, g, t, s]; mask: bool [b, k, g, t, s] (True = may attend);
-    query_segments: int [B, T] and key_segments: int [B, S] (attend within a segment only).
+    query_segments: int [B, T] and key_segments: int [B, S] (attend within a segment only);
+    sinks: float32 [K, G], each head's sink logit: a key with a zero value that every query
+    sees (GPT-OSS), so a row's weights may sum to less than one.
     """
 
     bias: jax.Array | None = None
     mask: jax.Array | None = None
     query_segments: jax.Array | None = None
     key_segments: jax.Array | None = None
+    sinks: jax.Array | None = None
 
 
 def soft_cap(scores: jax.Array, softcap: float | None) -> tuple[jax.Array, jax.Array | None]:
@@ -252,9 +255,13 @@ class _Kernel:
                 return new_max, row_sum, acc
 
             # Explicit float32: under jax_enable_x64 a bare jnp.zeros would be float64, and the
-            # branches of the tile-skipping `cond` must return the same dtypes.
+            # branches of the tile-skipping `cond` must return the same dtypes. A sink starts
+            # the online softmax: its score is the first max, its weight exp(0) the first sum.
             init = (jnp.full(rows, _ROW_MAX_INIT, jnp.float32), jnp.zeros(rows, jnp.float32),
                     jnp.zeros((*rows, value.shape[-1]), jnp.float32))
+            if inputs.sinks is not None:
+                sink = jnp.broadcast_to(inputs.sinks[:, :, None], rows)
+                init = (sink, jnp.ones(rows, jnp.float32), init[2])
             row_max, row_sum, acc = self._each_tile(inputs, qb, compute, init)
             has_keys = row_sum > 0.0
             safe_sum = jnp.where(has_keys, row_sum, 1.0)
@@ -270,8 +277,9 @@ class _Kernel:
     def _backward(self, residuals, d_out):
         query, key, value, inputs = residuals[:4]
         d_query, d_key, d_value, d_bias = self.gradients(residuals, d_out)
-        bias = inputs.bias
-        d_inputs = ScoreInputs(bias=None if bias is None else d_bias.astype(bias.dtype))
+        bias, sinks = inputs.bias, inputs.sinks
+        d_inputs = ScoreInputs(bias=None if bias is None else d_bias.astype(bias.dtype),
+                               sinks=None if sinks is None else _sink_gradient(residuals, d_out))
         return (d_query.astype(query.dtype), d_key.astype(key.dtype),
                 d_value.astype(value.dtype), d_inputs)
 
@@ -331,6 +339,15 @@ class _Kernel:
                   query_block * self.block_q if d_bias.shape[3] != 1 else 0,
                   key_block * self.block_k if d_bias.shape[4] != 1 else 0)
         return _accumulate(d_bias, update, starts)
+
+
+def _sink_gradient(residuals, d_out) -> jax.Array:
+    """float32 [K, G]: the gradient of each head's sink logit s. Its softmax weight is
+    p = exp(s - lse) and its value zero, so dL/ds = -Σ_rows p · (dO · O)."""
+    sinks, out, log_sum_exp = residuals[3].sinks, residuals[4], residuals[5]
+    delta = jnp.sum(d_out.astype(jnp.float32) * out, axis=-1)
+    weight = jnp.exp(sinks[None, :, :, None] - log_sum_exp)
+    return -jnp.sum(weight * delta, axis=(0, 3))
 
 
 def _slice(x, axis: int, start, size: int):

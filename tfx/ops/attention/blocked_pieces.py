@@ -47,8 +47,8 @@ def pieced_attention(query, key, value, inputs: ScoreInputs, pieces: tuple[Piece
                      softcap: float | None) -> jax.Array:
     """float32 [B, K, G, T, Dv]: attention over the union of the pieces' pairs (disjoint).
 
-    One piece may come with a bias; several need `inputs.bias` None (their merged backward
-    gives no bias gradient).
+    One piece may come with a bias or sinks; several need both None (their merged backward
+    gives no gradient for them, and the merge would count a sink once per piece).
     """
     if len(pieces) == 1:
         piece = pieces[0]
@@ -56,8 +56,9 @@ def pieced_attention(query, key, value, inputs: ScoreInputs, pieces: tuple[Piece
         out = blocked_attention(*args, plan=plan, block_q=piece.block_q, block_k=piece.block_k,
                                 softcap=softcap)
         return _out_of(piece, out, 3, query.shape[3])
-    if inputs.bias is not None:
-        raise ValueError("pieced attention takes no bias: its backward has no bias gradient")
+    if inputs.bias is not None or inputs.sinks is not None:
+        raise ValueError("pieced attention takes no bias or sinks: its backward has no gradient "
+                         "for them")
     return _merged(pieces, softcap, query, key, value, inputs)
 
 
@@ -82,7 +83,7 @@ def _into(piece: Piece, query, key, value, inputs: ScoreInputs):
                 for x, block in ((inputs.query_segments, block_q),
                                  (inputs.key_segments, block_k)))
     plan = block_plan(piece.spec, q_len, kv_len, block_q, block_k)
-    return (query, key, value, ScoreInputs(bias, mask, *segments)), plan
+    return (query, key, value, ScoreInputs(bias, mask, *segments, sinks=inputs.sinks)), plan
 
 
 def _pad(x: jax.Array, axis: int, block: int) -> jax.Array:

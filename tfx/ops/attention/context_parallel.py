@@ -393,5 +393,5 @@ def _run(call: Call) -> jax.Array:
 # Tried first on every platform: under a mesh that splits the sequence, attention that can run
 # context-parallel does; its tiles use the blocked kernel (which soft-caps).
 KERNEL = Kernel("context_parallel", _run,
-                needs=(_sequence_split, without("has_bias", "bias"), key_mask_only,
-                       _context_lengths))
+                needs=(_sequence_split, without("has_bias", "bias"),
+                       without("has_sinks", "sinks"), key_mask_only, _context_lengths))

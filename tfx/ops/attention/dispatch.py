@@ -53,6 +53,7 @@ def dot_product_attention(
     implementation: str | None = None,
     block_sizes: tuple[int, int] | None = None,
     heads_major: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """softmax(cap(query·keyᵀ·scale) + bias, masked) · value, per head.
 
@@ -104,6 +105,10 @@ def dot_product_attention(
         them: `cached_attention` then runs (reference maths, the few queries of a decoding
         step), which takes visibility from `mask` and `bias` only; `implementation` and
         `block_sizes` apply to the other layout.
+      sinks: optional float [num_heads], a learned "attention sink" logit per head (GPT-OSS):
+        each row's softmax also counts a key of score sinks[h] and value zero, so its weights
+        over the real keys sum to less than one. Differentiable. "reference" and "blocked"
+        take it; with it, implementation=None picks one of those.
     Returns:
       [batch, q_len, num_heads, value_dim] in the dtype of value. Scores and softmax statistics
       are float32 for every input dtype. A query row with no visible key (masked, hidden by a
@@ -116,24 +121,25 @@ def dot_product_attention(
                             scale=scale, softcap=softcap, sparsity=sparsity,
                             query_segment_ids=query_segment_ids,
                             key_segment_ids=key_segment_ids, implementation=implementation,
-                            block_sizes=block_sizes, heads_major=heads_major)
+                            block_sizes=block_sizes, heads_major=heads_major, sinks=sinks)
     if heads_major:
         if is_causal or sparsity is not None or query_segment_ids is not None:
             raise ValueError("heads-major keys take visibility from mask and bias only: "
                              "is_causal, sparsity and segment ids must be unset")
         return cached_attention(query, key, value, bias=bias, mask=mask, scale=scale,
-                                softcap=softcap)
+                                softcap=softcap, sinks=sinks)
     cross_segments = key_segment_ids is not None
     if key_segment_ids is None:
         key_segment_ids = query_segment_ids
     _validate(query, key, value, bias, mask, is_causal, scale, softcap, sparsity)
+    _validate_sinks(sinks, query.shape[2])
     block_sizes = _block_sizes(block_sizes, query.shape[1], key.shape[1])
     _validate_segments(query_segment_ids, key_segment_ids, query.shape[:2], key.shape[:2])
     kv_len, value_dim = key.shape[1], value.shape[3]
     spec = static_spec(is_causal, sparsity)
     mesh = jax.sharding.get_abstract_mesh()
     case = _case(query, key, value, bias, mask, query_segment_ids is not None, cross_segments,
-                 spec, mesh, has_softcap=softcap is not None)
+                 spec, mesh, has_softcap=softcap is not None, has_sinks=sinks is not None)
     platform = current_platform()
     implementation = _resolve_implementation(implementation, platform, case)
     if scale is None:
@@ -142,7 +148,7 @@ def dot_product_attention(
         return jnp.zeros((*query.shape[:3], value_dim), value.dtype)
     segments = (query_segment_ids, key_segment_ids)
     call = Call(query, key, value, bias, mask, segments, spec, scale, softcap, mesh, block_sizes,
-                platform)
+                platform, sinks)
     return kernel(implementation).run(call)
 
 
@@ -174,7 +180,8 @@ def _one_example(query, key, value, *, bias, mask, query_segment_ids, key_segmen
 @functools.partial(jax.jit, static_argnames=("scale", "softcap"))
 def cached_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
                      bias: jax.Array | None = None, mask: jax.Array | None = None,
-                     scale: float | None = None, softcap: float | None = None) -> jax.Array:
+                     scale: float | None = None, softcap: float | None = None,
+                     sinks: jax.Array | None = None) -> jax.Array:
     """Attention of a few new queries over a KV cache stored heads-major (`tfx.ops.kv_cache`).
 
     The same maths as `dot_product_attention(implementation="reference")`; only the key/value
@@ -192,6 +199,7 @@ def cached_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
       mask: as in `dot_product_attention`.
       scale: as in `dot_product_attention`.
       softcap: as in `dot_product_attention` (logit soft-capping, Gemma 2).
+      sinks: as in `dot_product_attention` (a sink logit per head, GPT-OSS).
     Returns:
       [batch, q_len, num_heads, value_dim] in the dtype of value; zeros for rows that see no
       key, and for kv_len = 0.
@@ -212,12 +220,13 @@ def cached_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
         _checks.boolean("mask", mask, max_ndim=4)
         _checks.broadcastable("mask", mask.shape, scores_shape, axes)
     _check_scores(scale, softcap)
+    _validate_sinks(sinks, num_heads)
     if scale is None:
         scale = 1.0 / float(np.sqrt(head_dim))
     if _nothing_to_attend(query.shape, key.shape[2], value.shape[3]):
         return jnp.zeros((*query.shape[:3], value.shape[3]), value.dtype)
     return reference_attention(query, key, value, bias, mask, (scale, softcap),
-                                key_query_scores)
+                                key_query_scores, sinks)
 
 
 def _check_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -232,7 +241,8 @@ def _check_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
 
 
 def _case(query, key, value, bias, mask, has_segments: bool, cross_segments: bool, spec,
-          mesh: jax.sharding.AbstractMesh, *, has_softcap: bool) -> AttentionCase:
+          mesh: jax.sharding.AbstractMesh, *, has_softcap: bool,
+          has_sinks: bool) -> AttentionCase:
     """The static facts of a call that `tfx.ops.attention.selection` selects its kernel by."""
     return AttentionCase(
         dtype=query.dtype, q_len=query.shape[1], kv_len=key.shape[1], num_heads=query.shape[2],
@@ -240,7 +250,7 @@ def _case(query, key, value, bias, mask, has_segments: bool, cross_segments: boo
         has_bias=bias is not None, has_mask=mask is not None,
         key_mask=mask is not None and _masks_keys_only(mask.shape),
         has_segments=has_segments, cross_segments=cross_segments, spec=spec,
-        sequence_devices=_sequence_devices(mesh), has_softcap=has_softcap)
+        sequence_devices=_sequence_devices(mesh), has_softcap=has_softcap, has_sinks=has_sinks)
 
 
 def _sequence_devices(mesh: jax.sharding.AbstractMesh) -> int:
@@ -310,6 +320,15 @@ def _validate_segments(query_segments, key_segments, query_batch_len, key_batch_
         _checks.integer(name, ids, ndim=2, layout=axes)
         if tuple(ids.shape) != tuple(shape):
             raise ValueError(f"{name} of shape {tuple(ids.shape)} must be {axes} = {tuple(shape)}")
+
+
+def _validate_sinks(sinks, num_heads: int) -> None:
+    """sinks: None or a floating array [num_heads]."""
+    if sinks is None:
+        return
+    _checks.floating("sinks", sinks, ndim=1, layout="[num_heads]")
+    if sinks.shape[0] != num_heads:
+        raise ValueError(f"sinks must be [num_heads] = ({num_heads},), got {tuple(sinks.shape)}")
 
 
 def _check_scores(scale, softcap) -> None:

@@ -153,7 +153,8 @@ CUDNN = Kernel(
     "cudnn", _run_cudnn, platforms=("gpu",),
     needs=(on("gpu"), dtype_in("float16", "bfloat16"), _cudnn_head_dim, value_dim_is_head_dim,
            without("has_mask", "mask"), without("has_segments", "segment ids"), _cudnn_spec,
-           _cudnn_bias_lengths, without("has_softcap", "softcap")))
+           _cudnn_bias_lengths, without("has_softcap", "softcap"),
+           without("has_sinks", "sinks")))
 # Forced on "cpu", the Pallas kernel runs in interpret mode: slow, but the same code path.
 PALLAS_GPU = Kernel(
     "pallas_gpu", _run_pallas_gpu, platforms=("gpu",),
@@ -161,4 +162,4 @@ PALLAS_GPU = Kernel(
            value_dim_is_head_dim, without("has_bias", "bias"), without("has_mask", "mask"),
            without("cross_segments", "key_segment_ids apart from query_segment_ids"),
            _causal_or_none, _self_attention_lengths, x64_disabled,
-           without("has_softcap", "softcap")))
+           without("has_softcap", "softcap"), without("has_sinks", "sinks")))

@@ -32,7 +32,8 @@ class AttentionCase:
     differ (the Pallas GPU kernel takes one array for both). `sequence_devices` is the size of
     the "sequence" axis of the mesh the call is traced under (1: none), over which
     "context_parallel" splits the sequence. `has_softcap` says that the scores are soft-capped
-    (`softcap` of `tfx.ops.dot_product_attention`, Gemma 2), which the GPU kernels cannot do.
+    (`softcap` of `tfx.ops.dot_product_attention`, Gemma 2), which the GPU kernels cannot do;
+    `has_sinks` that each head's softmax has a learned sink logit (GPT-OSS).
     """
 
     dtype: np.dtype
@@ -50,6 +51,7 @@ class AttentionCase:
     spec: SparsitySpec | None = None
     sequence_devices: int = 1
     has_softcap: bool = False
+    has_sinks: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +61,8 @@ class Call:
     query [batch, q_len, num_heads, head_dim], key/value [batch, kv_len, num_kv_heads, dim];
     `segments`: (query ids, key ids), either None; `spec`: the static mask or None; `scale` and
     `softcap` (None: none) make q·k a score; `mesh`: the abstract mesh traced under;
-    `block_sizes`: the caller's tiles or None; `platform`: as `jax.default_backend()` names it.
+    `block_sizes`: the caller's tiles or None; `platform`: as `jax.default_backend()` names it;
+    `sinks`: float [num_heads] sink logits, or None.
     """
 
     query: jax.Array
@@ -74,6 +77,7 @@ class Call:
     mesh: Any
     block_sizes: tuple[int, int] | None
     platform: str
+    sinks: jax.Array | None = None
 
     @property
     def interpret(self) -> bool:

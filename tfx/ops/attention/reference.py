@@ -33,14 +33,15 @@ def _run(call: Call) -> jax.Array:
         mask = combine_masks(mask, jnp.asarray(call.spec.dense(q_len, kv_len)[None, None]))
     key, value = (x.transpose(0, 2, 1, 3) for x in (call.key, call.value))
     return reference_attention(call.query, key, value, call.bias, mask,
-                               (call.scale, call.softcap), query_key_scores)
+                               (call.scale, call.softcap), query_key_scores, call.sinks)
 
 
-def reference_attention(query, key, value, bias, mask, scores, score_product):
+def reference_attention(query, key, value, bias, mask, scores, score_product, sinks=None):
     """The materialised-scores maths over heads-major key and value [batch, num_kv_heads,
     kv_len, dim]; scores: (scale, softcap or None); score_product: `query_key_scores`, or
     `key_query_scores` for the few queries of a decoding step
-    (`tfx.ops.attention.score_products`)."""
+    (`tfx.ops.attention.score_products`); sinks: float [num_heads] logits of a key with a
+    zero value that every query sees, or None."""
     scale, softcap = scores
     batch, q_len, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
@@ -59,11 +60,17 @@ def reference_attention(query, key, value, bias, mask, scores, score_product):
     if mask is not None:
         logits = jnp.where(mask, logits, _MASKED_LOGIT)
     # Softmax is shift invariant, so the row max needs no gradient.
-    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    if sinks is not None:
+        sinks = sinks.astype(jnp.float32).reshape(1, num_kv_heads, -1, 1, 1)
+        row_max = jnp.maximum(row_max, sinks)
+    row_max = jax.lax.stop_gradient(row_max)
     weights = jnp.exp(logits - row_max)
     if mask is not None:
         weights = jnp.where(mask, weights, 0.0)
     total = jnp.sum(weights, axis=-1, keepdims=True)
+    if sinks is not None:  # the sink's weight joins the sum; its value is zero
+        total = total + jnp.exp(sinks - row_max)
     probs = weights / jnp.where(total == 0.0, 1.0, total)
     out = weighted_values(probs.astype(value.dtype), value).transpose(0, 3, 1, 2, 4)
     return out.reshape(batch, q_len, num_heads, value.shape[-1])

@@ -162,4 +162,5 @@ def _run(call: Call) -> jax.Array:
 KERNEL = Kernel(
     "splash", _run, platforms=("tpu",),
     needs=(on("tpu", "cpu"), dtype_in("float16", "bfloat16", "float32"),
-           without("has_bias", "bias"), key_mask_only, _splash_lengths))
+           without("has_bias", "bias"), key_mask_only, _splash_lengths,
+           without("has_sinks", "sinks")))
