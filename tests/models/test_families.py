@@ -9,14 +9,19 @@ import sys
 import pytest
 
 from tfx.models import families
+from tfx.models.config import EncoderConfig, EncoderDecoderConfig
 from tfx.models.families import FAMILIES, LLAMA, SIZES, Family
 
-# Published parameter counts of the named sizes (model cards on the Hugging Face hub).
+# Published parameter counts of the named sizes (model cards on the Hugging Face hub; BERT's
+# with the tfx encoder's masked-LM transform).
 PUBLISHED = {"llama2-7b": 6.74e9, "mistral-7b": 7.24e9, "mixtral-8x7b": 46.7e9,
              "qwen2.5-0.5b": 0.494e9, "qwen3-0.6b": 0.596e9, "qwen3-30b-a3b": 30.5e9,
              "olmo2-1b": 1.48e9, "olmo2-7b": 7.30e9, "phi3-mini-4k": 3.82e9,
              "gemma2-2b": 2.61e9, "gemma3-1b": 1.0e9, "pythia-160m": 0.162e9,
-             "gpt2-medium": 0.355e9}
+             "gpt2-small": 0.124e9, "gpt2-medium": 0.355e9, "bert-base": 0.110e9,
+             "minilm-l6": 22.7e6, "t5-small": 60.5e6}
+# tfx's own sizes, which no checkpoint publishes.
+OWN = {"llama-tiny", "char-gpt", "char-moe", "transformer-base"}
 
 
 def test_cards_import_without_jax():
@@ -28,7 +33,7 @@ def test_cards_import_without_jax():
 
 
 def test_every_size_is_a_model_of_its_family_and_has_a_published_count():
-    assert set(PUBLISHED) == set(SIZES)
+    assert set(PUBLISHED) == set(SIZES) - OWN
     for name, card in SIZES.items():
         assert card.mismatches(families.size_config(name)) == {}, name
 
@@ -99,3 +104,25 @@ def test_a_size_or_converter_cannot_set_what_the_card_fixes():
                       "num_heads": 1, "d_ff": 8})
     with pytest.raises(ValueError, match="sets"):
         Family(name="bad", fixed={"norm.kind": "rms"}, sizes={"x": {"norm.kind": "layer"}})
+
+
+def test_a_card_builds_the_config_class_of_its_kind():
+    """BERT's card builds EncoderConfigs, T5's EncoderDecoderConfigs; a child keeps its kind."""
+    assert type(families.size_config("bert-base")) is EncoderConfig
+    assert type(families.size_config("t5-small")) is EncoderDecoderConfig
+    child = families.BERT.but(name="bert_rms", norm={"kind": "rms"})
+    assert child.kind is EncoderConfig and child.parent == "bert"
+    with pytest.raises(ValueError, match="not fields of EncoderConfig"):
+        families.BERT.but(name="typo", logit_softcap=30.0)  # a decoder's field
+
+
+def test_an_encoder_card_names_what_a_config_lacks():
+    config = families.size_config("bert-base")
+    assert families.BERT.mismatches(config.replace(norm={"pre_norm": True}, dropout=0.0)) == {
+        "norm.pre_norm": (True, False)}
+    assert families.BERT.mismatches(families.size_config("gpt2-small")) == {
+        "config": ("DecoderConfig", "EncoderConfig")}
+    t5 = families.size_config("t5-small")
+    assert families.T5.mismatches(t5.replace(num_decoder_layers=6)) == {}  # as many as encoder's
+    assert families.T5.mismatches(t5.replace(position="rope")) == {
+        "rope": ("present", None), "t5": (None, "present"), "position": ("rope", "t5")}

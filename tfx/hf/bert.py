@@ -1,5 +1,9 @@
 """BERT checkpoints (BertModel, BertForMaskedLM) <-> `tfx.models.Encoder`.
 
+What every BERT is (post-norm LayerNorm, learned positions and token types, biases) lives in its
+card, `tfx.models.families.BERT`; this module reads the sizes from config.json, checks a model
+against the card before a save, and maps the tensors.
+
 The tfx Encoder always carries BERT's two heads: the [CLS] pooler (`model.pooled(hidden)`, HF's
 `pooler_output`) and the masked-LM head (`model.mlm_logits(hidden)`, HF BertForMaskedLM's
 logits). Its call is BertModel's: `model(input_ids, attention_mask=, token_type_ids=)` -> float32
@@ -29,7 +33,9 @@ from __future__ import annotations
 import numpy as np
 
 from tfx.hf import plan
-from tfx.models.config import EncoderConfig, MlpConfig, NormConfig, SpecialTokens
+from tfx.hf.decoder_parts import check_card
+from tfx.models import families
+from tfx.models.config import EncoderConfig
 
 __all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
            "params_from_hf", "params_to_hf", "steps", "tensor_table"]
@@ -37,6 +43,13 @@ __all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "con
 ARCHITECTURES = ("BertModel", "BertForMaskedLM")
 # Heads that a checkpoint may lack (path prefixes in the Encoder); see the module docstring.
 OPTIONAL_PARAMS = (("pooler",), ("mlm_transform",), ("mlm_norm",), ("mlm_bias",))
+CARD = families.BERT  # what every BERT is: set on load, checked on save
+# BertConfig's defaults, for config.json files that leave a field out.
+_DEFAULTS = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                 intermediate_size=3072, hidden_act="gelu", max_position_embeddings=512,
+                 type_vocab_size=2, layer_norm_eps=1e-12, pad_token_id=0,
+                 position_embedding_type="absolute", is_decoder=False, add_cross_attention=False,
+                 tie_word_embeddings=True)
 
 Path = tuple[str | int, ...]
 
@@ -62,65 +75,46 @@ _KINDS = {
 
 
 def config_from_hf(hf: dict, architecture: str) -> EncoderConfig:
-    """Map a BertConfig (config.json as a dict) to an EncoderConfig: post-norm, learned
-    positions, biases, dropout off. Settings tfx cannot honour raise ValueError naming the field."""
+    """BertConfig fields (config.json as a dict) -> EncoderConfig, a model of the card (BERT:
+    post-norm, learned positions, biases); dropout off. Settings tfx cannot honour raise
+    ValueError naming the field."""
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
-    position = hf.get("position_embedding_type", "absolute")
+    hf = {**_DEFAULTS, **hf}
+    position = hf["position_embedding_type"]
     if position != "absolute":
         raise ValueError(f"position_embedding_type={position!r} is not supported; tfx loads "
                          "BERT with 'absolute' (learned) position embeddings only")
     for field in ("is_decoder", "add_cross_attention"):
-        if hf.get(field, False):
+        if hf[field]:
             raise ValueError(f"{field}=True is not supported: tfx loads BERT as a "
                              "bidirectional encoder without cross-attention")
-    if architecture == "BertForMaskedLM" and not hf.get("tie_word_embeddings", True):
+    if architecture == "BertForMaskedLM" and not hf["tie_word_embeddings"]:
         raise ValueError("tie_word_embeddings=False is not supported: the tfx masked-LM head "
                          "reuses the word embeddings")
-    act = hf.get("hidden_act", "gelu")
+    act = hf["hidden_act"]
     if act not in _ACTIVATIONS:
         raise ValueError(f"hidden_act={act!r} is not supported; tfx maps {sorted(_ACTIVATIONS)}")
-    pad = hf.get("pad_token_id")
-    return EncoderConfig(
-        vocab_size=hf.get("vocab_size", 30522),
-        d_model=hf.get("hidden_size", 768),
-        num_layers=hf.get("num_hidden_layers", 12),
-        num_heads=hf.get("num_attention_heads", 12),
-        d_ff=hf.get("intermediate_size", 3072),
-        max_len=hf.get("max_position_embeddings", 512),
-        type_vocab_size=hf.get("type_vocab_size", 2),
-        norm=NormConfig(kind="layer", eps=hf.get("layer_norm_eps", 1e-12), pre_norm=False),
-        mlp=MlpConfig(activation=_ACTIVATIONS[act]),
-        special_tokens=SpecialTokens(pad_id=0 if pad is None else pad),
-        position="learned", use_bias=True, dropout=0.0,
-    )
+    pad = hf["pad_token_id"]
+    return CARD.config({
+        "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"],
+        "num_layers": hf["num_hidden_layers"], "num_heads": hf["num_attention_heads"],
+        "d_ff": hf["intermediate_size"], "max_len": hf["max_position_embeddings"],
+        "type_vocab_size": hf["type_vocab_size"], "norm.eps": hf["layer_norm_eps"],
+        "mlp.activation": _ACTIVATIONS[act], "special_tokens.pad_id": 0 if pad is None else pad,
+        "dropout": 0.0})
 
 
 def config_to_hf(config: EncoderConfig, architecture: str) -> dict:
-    """The BertConfig dict (config.json) of an EncoderConfig that BERT can express."""
+    """The BertConfig dict (config.json) of an EncoderConfig that BERT can express (a model of
+    the card); ValueError naming each field it cannot."""
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
-    if not isinstance(config, EncoderConfig):
-        raise ValueError(f"{architecture} needs an EncoderConfig, got {type(config).__name__}")
+    check_card(config, architecture, CARD)
     c = config
-    unsupported = {
-        "position": (c.position, "learned"), "norm.kind": (c.norm.kind, "layer"),
-        "norm.pre_norm": (c.norm.pre_norm, False), "use_bias": (c.use_bias, True),
-        "mlp.gated": (c.mlp.gated, False),
-        "attention.num_kv_heads": (c.kv_heads, c.num_heads),
-        "attention.head_dim": (c.attention.head_dim or c.d_model // c.num_heads,
-                               c.d_model // c.num_heads),
-        "attention.scale": (c.attention.scale, None),
-        "embeddings.scale": (c.embeddings.scale, False),
-    }
-    for field, (value, bert) in unsupported.items():
-        if value != bert:
-            raise ValueError(f"{field}={value!r} cannot be written as {architecture}: "
-                             f"BERT has {field}={bert!r}")
     if c.mlp.activation not in _ACTIVATIONS_TO_HF:
         raise ValueError(f"mlp.activation={c.mlp.activation!r} cannot be written as "
-                         f"{architecture}; "
-                         f"BERT takes {sorted(_ACTIVATIONS_TO_HF)}")
+                         f"{architecture}; BERT takes {sorted(_ACTIVATIONS_TO_HF)}")
     return {
         "architectures": [architecture], "model_type": "bert",
         "vocab_size": c.vocab_size, "hidden_size": c.d_model, "num_hidden_layers": c.num_layers,

