@@ -39,6 +39,28 @@ def test_optional_sub_configs_switch_on_and_off():
                  ).experiment.model.moe is None
 
 
+def test_the_grouped_spellings_of_the_short_options_are_read():
+    experiment = parse(["train", "--workdir", "w", "--train.steps=9", "--train.log-every", "2",
+                        "--train.checkpoint_every", "4", "--data.source", "d.txt"]).configured()
+    assert experiment.train.steps == 9 and experiment.train.log_every == 2
+    assert experiment.train.checkpoint_every == 4 and experiment.data.source == "d.txt"
+
+
+@pytest.mark.parametrize("option", ["--init-from", "--train.init_from", "--train.init-from"])
+def test_a_hugging_face_base_refuses_model_options_however_it_is_named(tmp_path, option):
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    command = parse(["train", "--workdir", "w", option, str(tmp_path), "--model.num_layers=2"])
+    with pytest.raises(ValueError, match=r"model\.num_layers cannot be set"):
+        command.configured()
+
+
+def test_an_experiments_name_is_its_subcommands(capsys):
+    with pytest.raises(SystemExit) as exit_:  # not a name that no experiment has
+        parse(["train", "--workdir", "w", "--name", "mine"])
+    assert exit_.value.code == 2
+    assert "--name" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args,expected", [
     (["--peft", "lora", "--peft.rank", "2", "--peft.targets", "query", "key"],
      LoraTuning(rank=2, targets=("query", "key"))),

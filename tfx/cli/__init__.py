@@ -1,7 +1,7 @@
 """The `tfx` command (also `python -m tfx`).
 
-    tfx train [EXPERIMENT] --workdir DIR [--steps N] [--checkpoint_every K] [--log_every L]
-              [--data PATH] [--init_from WORKDIR] [--peft lora --peft.rank 8 ...]
+    tfx train [EXPERIMENT] --workdir DIR [--data PATH] [--steps N] [--init_from FOLDER]
+              [--peft lora --peft.rank 8 ...] [--checkpoint_every K] [--log_every L]
               [--model.num_layers=4 --model.moe.num_experts=8 --optim.learning_rate=1e-3 ...]
     tfx train sft --init-from HF_FOLDER --data chats.jsonl --workdir DIR [--peft lora ...]
     tfx sample --workdir DIR --prompt TEXT [--max_new_tokens N] [--temperature T] [--chat] ...
@@ -12,10 +12,12 @@
     tfx serve PATH [--adapter NAME=DIR ...] [--host H] [--port P] [--max-batch B] [--pages N]
     tfx experiments
 
-One tyro parser (tfx.cli.commands) reads every command; `tfx train [EXPERIMENT] --help` lists
-the experiment's fields with their descriptions and choices. Exit status: 0 done, 2 a usage or
-config error (one line), 1 a failed run (one line), 128 + the signal's number when a signal
-stopped the work (130 Ctrl-C, 143 SIGTERM; a training run saves first).
+One tyro parser (tfx.cli.commands) reads every command. `tfx train --help` shows the options
+most runs set; `tfx train EXPERIMENT --help` lists every field of that experiment (the common
+ones first, and the optional model parts it leaves out) with its description and choices, each
+once. Exit status: 0 done, 2 a usage or config error (one line), 1 a failed run (one line),
+128 + the signal's number when a signal stopped the work (130 Ctrl-C, 143 SIGTERM; a training
+run saves first).
 """
 
 from __future__ import annotations

@@ -3,19 +3,30 @@ docstrings as help. Imports no jax, so that `tfx --help` and `tfx train --help` 
 
 `tfx train [EXPERIMENT]`: each named experiment is a subcommand (default gpt_char) whose fields
 are the options (`--model.num_layers=4`, `--optim.learning_rate 1e-3`); a fine-tuning method is
-a subcommand of it (`peft:lora --peft.rank 8`, also spelt `--peft lora`).
+a subcommand of it (`peft:lora --peft.rank 8`, also spelt `--peft lora`). The loop's most used
+settings drop their group (`--steps`, `--init-from`; `--train.steps` is still read), and a tyro
+registry (`_registry`) lays the options out: the common ones first, alone in `tfx train --help`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from pathlib import Path
 from typing import Annotated, Generic, TypeVar, Union
 
 import tyro
+from tyro.constructors import (
+    ConstructorRegistry,
+    StructConstructorSpec,
+    StructFieldSpec,
+    StructTypeInfo,
+)
 
-from tfx.train.config import Experiment
+from tfx.models.config import OPTIONAL_SUBCONFIGS, POSITIONS, SUBCONFIGS, TransformerConfig
+from tfx.train.config import DataConfig, Experiment, OptimConfig, TrainConfig
 from tfx.train.experiments import DEFAULT_EXPERIMENT, EXPERIMENTS
+from tfx.train.finetuning import METHODS
 from tfx.train.overrides import switch_parts
 
 __all__ = ["Embed", "Eval", "Experiments", "Export", "Sample", "Serve", "Tokenize", "Train",
@@ -32,17 +43,8 @@ class Train(Generic[E]):
     """The named experiment (`tfx experiments` lists them), with its fields overridden."""
     workdir: str
     """Where checkpoints, metrics.jsonl, loss.png and TensorBoard files go."""
-    steps: int | None = None
-    """Total optimiser steps (train.steps)."""
-    checkpoint_every: int | None = None
-    """Steps between checkpoints (train.checkpoint_every)."""
-    log_every: int | None = None
-    """Steps between logged metrics (train.log_every)."""
     data: str | None = None
-    """A text file or folder instead of the embedded corpus (data.source)."""
-    init_from: str | None = None
-    """Start from a Hugging Face folder (its model and tokenizer) or the newest checkpoint of a
-    tfx run's workdir (train.init_from): fine-tuning."""
+    """A text file or folder (sft, dpo: a JSONL file) to train on (data.source)."""
     no_progress: tyro.conf.FlagCreatePairsOff[bool] = False
     """No progress bar."""
     coordinator_address: str | None = None
@@ -53,16 +55,14 @@ class Train(Generic[E]):
     """Multi-process runs: this one's index (or TFX_PROCESS_ID)."""
 
     def configured(self) -> Experiment:
-        """The experiment with the shortcut options applied."""
+        """The experiment with --data applied, once checked against its starting weights
+        (train.init_from)."""
         e = self.experiment
-        train = {name: value for name, value in (("steps", self.steps),
-                 ("checkpoint_every", self.checkpoint_every), ("log_every", self.log_every),
-                 ("init_from", self.init_from)) if value is not None}
-        data = {} if self.data is None else {"source": self.data}
-        if self.init_from is not None:
-            _refuse_model_options(e, self.init_from)
-        return dataclasses.replace(e, train=dataclasses.replace(e.train, **train),
-                                   data=dataclasses.replace(e.data, **data))
+        if self.data is not None:
+            e = dataclasses.replace(e, data=dataclasses.replace(e.data, source=self.data))
+        if e.train.init_from is not None:
+            _refuse_model_options(e, e.train.init_from)
+        return e
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -199,16 +199,12 @@ def parse(args: list[str]
           ) -> Train | Sample | Eval | Export | Tokenize | Embed | Serve | Experiments:
     """The command that `args` (without the program name) spell. tyro prints help or an error
     (naming an unrecognised option and the similar ones) and exits 0 or 2."""
-    args = _peft_alias(args)
-    experiments = EXPERIMENTS
-    if "train" in args:
-        # Optional model sub-configs named on the command line (--model.moe.num_experts=8 on a
-        # dense model, --model.moe=None) are switched on or off in the default tyro overrides.
-        chosen = next((arg for arg in args if arg in EXPERIMENTS), DEFAULT_EXPERIMENT)
-        switched, args = switch_parts(EXPERIMENTS[chosen], args)
-        experiments = {**EXPERIMENTS, chosen: switched}
+    experiments, train_help, registry = EXPERIMENTS, None, None
+    if args[:1] == ["train"]:
+        args, experiments, train_help, registry = _train_parser(args)
     commands = Union[  # noqa: UP007 (a Union of Annotated types: tyro's subcommands)
-        Annotated[Train[_choices(experiments)], tyro.conf.subcommand("train", prefix_name=False)],
+        Annotated[Train[_choices(experiments)],
+                  tyro.conf.subcommand("train", prefix_name=False, description=train_help)],
         Annotated[Sample, tyro.conf.subcommand("sample", prefix_name=False)],
         Annotated[Eval, tyro.conf.subcommand("eval", prefix_name=False)],
         Annotated[Export, tyro.conf.subcommand("export", prefix_name=False)],
@@ -219,7 +215,124 @@ def parse(args: list[str]
     return tyro.cli(commands, args=args, prog="tfx", use_underscores=True,
                     description="tfx: transformer building blocks and models for JAX and Flax "
                     "NNX: train, sample, evaluate, export, tokenize, embed.",
-                    config=(tyro.conf.CascadeSubcommandArgs,))
+                    config=(tyro.conf.CascadeSubcommandArgs,), registry=registry)
+
+
+# `tfx train --help` without an experiment: what most runs set, then where the rest is.
+_SHORT_HELP = (
+    f"Train an experiment (default: {DEFAULT_EXPERIMENT}); the same command resumes a stopped "
+    f"run. The options most runs set, with {DEFAULT_EXPERIMENT}'s defaults, are below; "
+    "`tfx train EXPERIMENT --help` lists every option of an experiment, in sections.\n\n"
+    "Fine-tuning: `tfx train sft --init-from HF_FOLDER --data chats.jsonl --workdir DIR "
+    f"--peft lora` (docs/finetuning.md); --peft {{{','.join(METHODS)}}} picks what trains "
+    "(--peft.rank 8 ...: its settings).")
+
+# The options of each struct that most runs set: listed first, in this order, and alone in
+# `tfx train --help`. Model families share the TransformerConfig entry.
+_COMMON = {Train: ("workdir", "data", "experiment"), Experiment: ("train", "optim", "model"),
+           TrainConfig: ("steps", "init_from", "batch_size", "seq_len"), DataConfig: (),
+           OptimConfig: ("learning_rate",), TransformerConfig: ("num_layers", "d_model",
+                                                                 "num_heads")}
+# The loop's settings spelt without their group: --steps, not --train.steps.
+_SHORT_NAMES = ("steps", "checkpoint_every", "log_every", "init_from")
+# Spellings that `_aliases` still reads, which the help never lists (no option shows twice):
+# the grouped ones, and data.source, which --data (Train.data) sets.
+_OLD_NAMES = {**{f"train.{name}": name for name in _SHORT_NAMES}, "data.source": "data"}
+# Fields no option sets: an experiment's name is its subcommand's (another would name no
+# experiment), and its data.source is --data's.
+_HIDDEN = {Experiment: "name", DataConfig: "source"}
+# Optional model parts switched on by naming their options; those named after a position kind
+# (rope, t5) come with --model.position instead.
+_SWITCHABLE = tuple(part for part in OPTIONAL_SUBCONFIGS if part not in POSITIONS)
+
+
+def _train_parser(args: list[str]) -> tuple[list[str], dict[str, Experiment], str | None,
+                                            ConstructorRegistry]:
+    """How `tfx train` reads `args`: (the args with `_aliases` spelt as tyro reads them, the
+    experiments with the chosen one's optional model parts switched as the args name them,
+    the train command's description, the tyro registry that lays its options out)."""
+    args = _aliases(args)
+    named = next((arg for arg in args if arg in EXPERIMENTS), None)
+    chosen = named or DEFAULT_EXPERIMENT
+    # Optional model sub-configs named on the command line (--model.moe.num_experts=8 on a
+    # dense model, --model.moe=None) are switched on or off in the default tyro overrides.
+    experiment, args = switch_parts(EXPERIMENTS[chosen], args)
+    helping = "-h" in args or "--help" in args
+    # No experiment (nor a fine-tuning method) named: the short help.
+    short = helping and named is None and not any(arg.startswith("peft:") for arg in args)
+    notes = {}
+    if helping and not short:
+        experiment, notes = _parts_listed(experiment)
+    return (args, {**EXPERIMENTS, chosen: experiment}, _SHORT_HELP if short else None,
+            _registry(short, experiment.model, notes))
+
+
+def _parts_listed(experiment: Experiment) -> tuple[Experiment, dict[str, str]]:
+    """(the experiment with the optional model parts it leaves out switched on, where its
+    model takes them as they are, {part: the help of its group}): the experiment's help lists
+    their options too, saying that they are off."""
+    model, notes = experiment.model, {}
+    for part in _SWITCHABLE:
+        if getattr(model, part, False) is not None:  # on, or not a part of this family
+            continue
+        try:
+            model = model.replace(**{part: SUBCONFIGS[part]()})
+        except ValueError:  # it needs other changes (latent attention: num_kv_heads=None)
+            continue
+        notes[part] = (f"Off in {experiment.name}: naming any of these options switches it "
+                       f"on, with the defaults shown (--model.{part}=None: off). "
+                       f"{inspect.getdoc(SUBCONFIGS[part])}")
+    return dataclasses.replace(experiment, model=model), notes
+
+
+def _registry(short: bool, model: TransformerConfig, notes: dict[str, str]
+              ) -> ConstructorRegistry:
+    """tyro's reading of the train command's structs, adjusted: the `_COMMON` options first
+    (and alone when `short`), `_SHORT_NAMES`, no `_HIDDEN` fields, and `notes` (part -> the
+    help of its group) on the chosen experiment's `model`."""
+    registry = ConstructorRegistry()
+    asking = []  # not empty while the rule asks tyro for a struct's own reading
+
+    @registry.struct_rule
+    def adjusted(info: StructTypeInfo):
+        kind = next((struct for struct in _COMMON
+                     if isinstance(info.type, type) and issubclass(info.type, struct)), None)
+        if kind is None or asking:
+            return None
+        asking.append(True)
+        try:
+            spec = ConstructorRegistry.get_struct_spec(info)
+        finally:
+            asking.pop()
+        if not isinstance(spec, StructConstructorSpec):  # tyro's error: let it report it
+            return spec
+        first = _COMMON[kind]
+        fields = sorted(spec.fields, key=lambda field: first.index(field.name)
+                        if field.name in first else len(first))
+        off = notes if info.default == model else {}
+        return dataclasses.replace(spec, fields=tuple(
+            _field(kind, field, short, off) for field in fields))
+
+    return registry
+
+
+def _field(kind: type, field: StructFieldSpec, short: bool, off: dict[str, str]
+           ) -> StructFieldSpec:
+    """A field of a struct of type `kind` as the train command shows it (`short`: in the short
+    help; `off`: part -> the help of its group, for the model parts that are off)."""
+    if (short and field.name not in _COMMON[kind]) or _HIDDEN.get(kind) == field.name:
+        return dataclasses.replace(field, type=Annotated[field.type, tyro.conf.Suppress])
+    if short and kind is Experiment:
+        # A group without its description (and the model as its family, whose description tyro
+        # would print): the help stays short.
+        field = dataclasses.replace(field, type=type(field.default), helptext="")
+    if kind is TrainConfig and field.name in _SHORT_NAMES:
+        return dataclasses.replace(field, type=Annotated[
+            field.type, tyro.conf.arg(name=field.name, prefix_name=False)])
+    if kind is TransformerConfig and field.name in off:  # as its type, not X | None: tyro then
+        # prints this help above its options
+        return dataclasses.replace(field, type=SUBCONFIGS[field.name], helptext=off[field.name])
+    return field
 
 
 def _choices(experiments: dict[str, Experiment]):
@@ -261,15 +374,17 @@ def _summary(experiment: Experiment) -> str:
             f"position={model.position}")
 
 
-def _peft_alias(args: list[str]) -> list[str]:
-    """`--peft lora` / `--peft=lora` -> `peft:lora`, tyro's name of that subcommand."""
+def _aliases(args: list[str]) -> list[str]:
+    """Spellings that tfx reads besides tyro's: `--peft lora` / `--peft=lora` -> `peft:lora`
+    (tyro's name of that subcommand), and `_OLD_NAMES` (`--train.steps=5` -> `--steps=5`)."""
     out, i = [], 0
     while i < len(args):
         name, eq, value = args[i].partition("=")
         if name == "--peft" and (eq or i + 1 < len(args)):
             out.append(f"peft:{value if eq else args[i + 1]}")
             i += 1 if eq else 2
-        else:
-            out.append(args[i])
-            i += 1
+            continue
+        new = _OLD_NAMES.get(name[2:].replace("-", "_")) if name.startswith("--") else None
+        out.append(args[i] if new is None else f"--{new}{eq}{value}")
+        i += 1
     return out

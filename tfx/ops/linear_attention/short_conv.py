@@ -2,7 +2,7 @@
 their projected queries, keys and values before the token mixer: depthwise, a few taps wide,
 each output reading the current token and the kernel_size - 1 before it.
 
-Its state is those last kernel_size - 1 inputs, so a sequence processed in pieces (a prompt,
+Its state is those last kernel_size - 1 inputs, so a sequence processed in pieces (a first chunk,
 then one token per decoding step) gives what the whole sequence gives.
 """
 
