@@ -210,7 +210,6 @@ def _pair_distribution(first, rest, prompt):
     ({"draft": "seq2seq"}, TypeError, "draft must be a tfx Decoder"),
     ({"num_draft_tokens": 0}, ValueError, "num_draft_tokens must be an int >= 1"),
     ({"max_new_tokens": 60}, ValueError, "exceeds the model's max_len"),
-    ({"temperature": 0.5}, ValueError, "rng must be a jax.random key"),
     ({"top_p": 1.5}, ValueError, "top_p"),
     ({"target": "sliding"}, ValueError, "ring buffer"),
     ({"target": "xl"}, ValueError, "SegmentMemory"),

@@ -120,6 +120,7 @@ def _hf_generate(model, ids, mask, max_new_tokens, *, eos_token_id=None, pad_tok
 
 
 def _tfx_generate(model, ids, mask, max_new_tokens, **kwargs) -> np.ndarray:
+    kwargs.setdefault("eos_token_id", [])  # as HF's, with its generation config's EOS unset
     return np.asarray(tfx.generate(model, ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                    temperature=0.0, **kwargs))
 

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 from flax import nnx
 
+from tfx.generation.config import generation_config_of
 from tfx.train.data import Tokenizer, load_tokenizer
 
 __all__ = ["Loaded", "load"]
@@ -30,7 +31,8 @@ def load(path: str | Path, *, dtype: str | None = None) -> Loaded:
     """A run workdir (checkpoints/config.json: `tfx.train.load_run`, newest step) or a
     transformers folder (config.json + safetensors: `tfx.hf.load`, and its tokenizer with the
     special tokens of tokenizer_config.json (`tfx.train.chat.ChatTokenizer`) and the EOS ids
-    of generation_config.json / config.json). A run's tokenizer has special tokens when it is
+    of its generation config (`model.generation_config`, read from generation_config.json /
+    config.json), where `tfx.generate` stops. A run's tokenizer has special tokens when it is
     a transformers tokenizer folder; a byte tokenizer or a bare tokenizer.json has none.
 
     Raises:
@@ -49,7 +51,7 @@ def load(path: str | Path, *, dtype: str | None = None) -> Loaded:
         import tfx.hf
 
         model, tokenizer = tfx.hf.load(folder, dtype=dtype), load_tokenizer(folder)
-        generation = _generation_eos(folder)
+        generation = list(generation_config_of(model).eos_token_id)  # as tfx.generate stops
     else:
         raise ValueError(f"path {str(path)!r} is neither a tfx run (no checkpoints/config.json) "
                          "nor a Hugging Face folder (no config.json)")
@@ -65,16 +67,6 @@ def _read_json(path: Path) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
     return value
-
-
-def _generation_eos(folder: Path) -> list[int]:
-    """The EOS id(s) transformers' `generate` stops at: generation_config.json's, else
-    config.json's (an int or a list)."""
-    for name in ("generation_config.json", "config.json"):
-        eos = _read_json(folder / name).get("eos_token_id")
-        if eos is not None:
-            return [eos] if isinstance(eos, int) else list(eos)
-    return []
 
 
 def _adds_bos(tokenizer, bos: int | None) -> bool:

@@ -8,19 +8,23 @@ refused, as are bools where a number is expected.
 
 from __future__ import annotations
 
-import math
 import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tfx.generation._numbers import integer, real
+from tfx.generation.config import GenerationConfig
 from tfx.models import checks
 from tfx.models.config import TransformerConfig
 
-__all__ = ["bucket_length", "decoder_prompt", "fits", "integer", "prompt_and_mask", "real",
-           "sampling_filters", "source_fits", "token_ids"]
+__all__ = ["DEFAULT_SEED", "bucket_length", "decoder_prompt", "fits", "integer",
+           "outside_jit", "prompt_and_mask", "real", "sampling_filters", "sampling_key",
+           "source_fits", "special_ids", "token_ids"]
 
 MIN_BUCKET = 16
+DEFAULT_SEED = 0  # of the key a sampling call without `rng` draws with
 
 
 def prompt_and_mask(input_ids, attention_mask,
@@ -56,6 +60,22 @@ def token_ids(name: str, value, vocab_size: int) -> list[int]:
     return [int(v) for v in values]
 
 
+def special_ids(config: TransformerConfig, defaults: GenerationConfig, eos_token_id,
+                pad_token_id) -> tuple[list[int], int]:
+    """(EOS ids, the filler after EOS) of a decoding call: the given ones (checked), the unset
+    (None) ones from the model's generation config (`defaults`), whose ids past the vocabulary
+    are dropped: such an EOS is never produced, and transformers never stops at it either.
+    See `pad_id` for the filler's fallbacks."""
+    if eos_token_id is None:
+        eos = [i for i in defaults.eos_token_id if i < config.vocab_size]
+    else:
+        eos = token_ids("eos_token_id", eos_token_id, config.vocab_size)
+    configured = defaults.pad_token_id
+    if pad_token_id is None and configured is not None and configured < config.vocab_size:
+        pad_token_id = configured
+    return eos, pad_id(config, pad_token_id, eos)
+
+
 def pad_id(config: TransformerConfig, pad_token_id, eos: list[int]) -> int:
     """The filler after EOS: `pad_token_id`, else the config's `embeddings.pad_id`, else the
     first EOS id (else 0), checked to be in the vocabulary."""
@@ -66,41 +86,36 @@ def pad_id(config: TransformerConfig, pad_token_id, eos: list[int]) -> int:
     return token_ids("pad_token_id", pad_token_id, config.vocab_size)[0]
 
 
-def integer(name: str, value, *, minimum: int = 1) -> int:
-    """A Python or numpy int >= minimum, as an int."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def real(name: str, value, *, low: float = -math.inf, high: float = math.inf,
-         open_low: bool = False, hint: str = "") -> float:
-    """A finite Python or numpy real number in [low, high] ((low, high] with open_low), as a
-    float; `hint` ends the message."""
-    finite = (not isinstance(value, bool) and isinstance(value, numbers.Real)
-              and math.isfinite(value))
-    if not (finite and (value > low if open_low else value >= low) and value <= high):
-        if high < math.inf:
-            bounds = f" in {'(' if open_low else '['}{low:g}, {high:g}]"
-        else:
-            bounds = "" if low == -math.inf else f" {'>' if open_low else '>='} {low:g}"
-        raise ValueError(f"{name} must be a finite number{bounds}{hint}, got {value!r}")
-    return float(value)
-
-
-def sampling_filters(temperature, top_k, top_p, rng) -> dict:
-    """Validate the sampling arguments; returns the filters as traced values (None = off)."""
+def sampling_filters(temperature, top_k, top_p) -> dict:
+    """Validate the sampling arguments; returns the filters as traced values (None = off; top_k
+    0 is off too, as in transformers)."""
     temperature = real("temperature", temperature, low=0.0, hint=" (0 is greedy)")
     if top_k is not None:
-        top_k = integer("top_k", top_k)
+        top_k = integer("top_k", top_k, minimum=0) or None
     if top_p is not None:
         top_p = real("top_p", top_p, low=0.0, high=1.0, open_low=True, hint=" or None")
-    if temperature > 0 and rng is None:
-        raise ValueError("rng must be a jax.random key when temperature > 0 "
-                         "(temperature=0.0 decodes greedily)")
     return {"temperature": jnp.float32(temperature),
             "top_k": None if top_k is None else jnp.int32(top_k),
             "top_p": None if top_p is None else jnp.float32(top_p)}
+
+
+def sampling_key(rng: jax.Array | None, filters: dict) -> jax.Array | None:
+    """The key to sample with: `rng`, or when sampling (temperature > 0) without one
+    jax.random.key(DEFAULT_SEED), so that a call without a key is reproducible; None when
+    greedy without one."""
+    if rng is None and float(filters["temperature"]) > 0:
+        return jax.random.key(DEFAULT_SEED)
+    return rng
+
+
+def outside_jit(name: str, *values) -> None:
+    """TypeError when any leaf of `values` (arrays, models' states, nested lists) is a tracer:
+    `name` checks its inputs and lays out its output on the host and compiles its own loop,
+    so it cannot run under a jax transform."""
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(values)):
+        raise TypeError(f"{name} compiles its own decoding loop (once per shape, reused after) "
+                        "and must be called outside jax.jit / nnx.jit and other jax "
+                        "transforms; it got traced values: call it from plain Python")
 
 
 def bucket_length(length: int, limit: int | None = None) -> int:

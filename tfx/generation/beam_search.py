@@ -47,14 +47,15 @@ from flax import nnx
 from tfx.generation._inputs import (
     decoder_prompt,
     integer,
-    pad_id,
+    outside_jit,
     prompt_and_mask,
     real,
     source_fits,
-    token_ids,
+    special_ids,
 )
 from tfx.generation._outputs import lengths
 from tfx.generation._steps import prefill, step
+from tfx.generation.config import generation_config_of
 from tfx.generation.generate import NO_PROCESSORS
 from tfx.generation.processors import LogitsProcessors, logits_processors
 from tfx.models.decoder import Decoder
@@ -66,14 +67,18 @@ EARLY_STOPPING = {False: 0, True: 1, "never": 2}
 
 
 def beam_search(model: Decoder | EncoderDecoder, input_ids, *, num_beams: int,
-                max_new_tokens: int, length_penalty: float = 1.0,
-                early_stopping: bool | str = False, attention_mask=None,
+                max_new_tokens: int | None = None, length_penalty: float | None = None,
+                early_stopping: bool | str | None = None, attention_mask=None,
                 eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
                 num_return_sequences: int = 1, return_scores: bool = False,
                 return_lengths: bool = False, repetition_penalty: float | None = None,
                 no_repeat_ngram_size: int | None = None, min_new_tokens: int | None = None,
                 bad_words_ids: Sequence[Sequence[int]] | None = None):
     """Beam search, like transformers' `generate(num_beams=...)`.
+
+    Arguments left None (but num_beams) come from `model.generation_config`, as in
+    `tfx.generate`: max_new_tokens, length_penalty (default 1.0), early_stopping (default
+    False), eos_token_id, pad_token_id, repetition_penalty and no_repeat_ngram_size.
 
     Args:
       model: a `tfx.models.Decoder` (GPT-2, LLaMA...) or `EncoderDecoder` (T5).
@@ -88,10 +93,10 @@ def beam_search(model: Decoder | EncoderDecoder, input_ids, *, num_beams: int,
       early_stopping: False (transformers' default heuristic), True (stop an input as soon as
         it has num_beams finished hypotheses) or "never" (see the module docstring).
       attention_mask: [batch, length], 1 for real tokens and 0 for padding.
-      eos_token_id: token id(s) that finish a hypothesis, or None (hypotheses end at
+      eos_token_id: token id(s) that finish a hypothesis; [] for none (hypotheses end at
         max_new_tokens).
-      pad_token_id: filler after EOS; default: the config's `embeddings.pad_id`, else the first
-        eos_token_id, else 0 (as `tfx.generate`).
+      pad_token_id: filler after EOS; default as in `tfx.generate`: the generation config's,
+        else the model config's `embeddings.pad_id`, else the first eos_token_id, else 0.
       num_return_sequences: best hypotheses returned per input, 1 <= n <= num_beams.
       return_scores: also return the hypotheses' length-penalised scores.
       return_lengths: also return each hypothesis' length.
@@ -110,21 +115,29 @@ def beam_search(model: Decoder | EncoderDecoder, input_ids, *, num_beams: int,
     Raises:
       ValueError: before anything compiles, for an argument out of range (numbers may be
         Python or numpy scalars; NaN and infinities are refused).
+      TypeError: for a model of another kind, or when called under jax.jit / nnx.jit.
     """
     if not isinstance(model, Decoder | EncoderDecoder):
         raise TypeError(f"model must be a tfx Decoder or EncoderDecoder, got "
                         f"{type(model).__name__}")
+    outside_jit("tfx.beam_search", nnx.state(model), input_ids, attention_mask)
+    defaults = generation_config_of(model)
     config = model.config
     ids, mask = prompt_and_mask(input_ids, attention_mask, config.vocab_size)
-    max_new_tokens = integer("max_new_tokens", max_new_tokens)
-    eos = token_ids("eos_token_id", eos_token_id, config.vocab_size)
+    seq2seq = isinstance(model, EncoderDecoder)
+    max_new_tokens = integer("max_new_tokens", defaults.new_tokens(
+        max_new_tokens, 1 if seq2seq else ids.shape[1]))
+    eos, pad_token_id = special_ids(config, defaults, eos_token_id, pad_token_id)
+    unset = defaults.fill(length_penalty=length_penalty, early_stopping=early_stopping,
+                          repetition_penalty=repetition_penalty,
+                          no_repeat_ngram_size=no_repeat_ngram_size)
     search = _check_search(config.vocab_size, len(eos), num_beams, num_return_sequences,
-                           length_penalty, early_stopping)
+                           unset["length_penalty"], unset["early_stopping"])
     processors = logits_processors(
-        config.vocab_size, eos, repetition_penalty=repetition_penalty,
-        no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens,
+        config.vocab_size, eos, repetition_penalty=unset["repetition_penalty"],
+        no_repeat_ngram_size=unset["no_repeat_ngram_size"], min_new_tokens=min_new_tokens,
         bad_words_ids=bad_words_ids)
-    if isinstance(model, EncoderDecoder):
+    if seq2seq:
         source_fits(config, ids.shape[1])
         if config.position == "learned" and max_new_tokens > config.max_len:
             raise ValueError(f"max_new_tokens ({max_new_tokens}) exceeds the model's max_len "
@@ -135,7 +148,7 @@ def beam_search(model: Decoder | EncoderDecoder, input_ids, *, num_beams: int,
         head, inputs = ids, decoder_prompt(config.max_len, ids, mask, max_new_tokens, bucket=True)
     tokens, scores = _beam_search(
         *nnx.split(model), jax.device_put(inputs[0].astype(np.int32)), jnp.asarray(inputs[1]),
-        jnp.asarray(eos or [-1], jnp.int32), jnp.int32(pad_id(config, pad_token_id, eos)),
+        jnp.asarray(eos or [-1], jnp.int32), jnp.int32(pad_token_id),
         search["length_penalty"], search["early_stopping"], processors,
         num_beams=search["num_beams"], max_new_tokens=max_new_tokens)
     # Assembled on the host, as in `generate`, so that no glue op compiles per shape.

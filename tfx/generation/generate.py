@@ -7,6 +7,10 @@ structure, batch, prompt-length bucket, max_new_tokens, which filters and proces
 the sampling values (temperature, top_k, top_p), the processors' values
 (`tfx.generation.processors`) and the prompt itself are ordinary inputs, so changing them does
 not recompile.
+
+The arguments a call leaves unset come from the model's `generation_config`
+(`tfx.generation.config`): a checkpoint loaded with `tfx.hf.load` decodes as transformers'
+`generate` decodes it, with its EOS ids, pad id and sampling settings.
 """
 
 from __future__ import annotations
@@ -24,13 +28,15 @@ from tfx.generation._inputs import (
     decoder_prompt,
     fits,
     integer,
-    pad_id,
+    outside_jit,
     prompt_and_mask,
     sampling_filters,
+    sampling_key,
     source_fits,
-    token_ids,
+    special_ids,
 )
 from tfx.generation._steps import prefill, step
+from tfx.generation.config import generation_config_of
 from tfx.generation.processors import LogitsProcessors, logits_processors
 from tfx.models.decoder import Decoder
 from tfx.models.encoder_decoder import EncoderDecoder
@@ -41,9 +47,9 @@ __all__ = ["bucket_length", "generate"]
 NO_PROCESSORS = LogitsProcessors()
 
 
-def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
-             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             rng: jax.Array | None = None, attention_mask=None,
+def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int | None = None,
+             temperature: float | None = None, top_k: int | None = None,
+             top_p: float | None = None, rng: jax.Array | None = None, attention_mask=None,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
              bucket: bool = True, return_lengths: bool = False,
              repetition_penalty: float | None = None, no_repeat_ngram_size: int | None = None,
@@ -52,21 +58,33 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
              stop_sequences: Sequence[Sequence[int]] | None = None):
     """Continue prompts with a KV cache.
 
+    Every argument left None is taken from `model.generation_config` (a
+    `tfx.generation.GenerationConfig`: what `tfx.hf.load` reads from the checkpoint's
+    generation_config.json), as transformers' `generate` takes it from the model's; a model
+    without one decodes greedily with no EOS. Explicit values win.
+
     Args:
       model: a `tfx.models.Decoder` (GPT-2, LLaMA, Mistral...) or `EncoderDecoder` (T5).
       input_ids: int [batch, prompt_len] (an array or nested lists), ids in [0, vocab_size),
         batch and prompt_len >= 1: the prompts (decoders) or the source (encoder–decoders).
-      max_new_tokens: tokens to generate per sequence (int >= 1).
+      max_new_tokens: tokens to generate per sequence (int >= 1). Default: the config's
+        max_new_tokens, else its max_length minus prompt_len (minus the start token for an
+        encoder–decoder); one of them must be set.
       temperature: 0.0 is greedy; > 0 (finite) samples from softmax(logits / temperature).
-      top_k: keep the k most likely tokens (int >= 1; k >= vocab_size keeps all), or None.
+        Default: the config's temperature when it says do_sample, else 0.0 (greedy).
+      top_k: keep the k most likely tokens (int >= 1; k >= vocab_size keeps all; 0 keeps all,
+        as in transformers, switching off the config's). Default: the config's.
       top_p: nucleus sampling: keep the most likely tokens whose probability reaches top_p, in
-        (0, 1], or None.
-      rng: a jax.random key, required when temperature > 0.
+        (0, 1] (1 keeps all). Default: the config's.
+      rng: a jax.random key for sampling. Default: jax.random.key(0), so that the same call
+        gives the same tokens (transformers draws from torch's global generator instead): pass
+        keys of your own for different samples.
       attention_mask: [batch, prompt_len], 1 for real tokens and 0 for padding (left or right).
       eos_token_id: token id(s) that end a sequence; after it a sequence emits `pad_token_id`.
-      pad_token_id: filler after EOS, in [0, vocab_size). Default: the model config's
-        `embeddings.pad_id` (`tfx.hf.load` sets it from config.json's `pad_token_id`: T5's 0),
-        else the first eos_token_id (else 0).
+        Default: the config's (less ids past the vocabulary, never produced); [] for none.
+      pad_token_id: filler after EOS, in [0, vocab_size). Default: the config's, else the
+        model config's `embeddings.pad_id` (`tfx.hf.load` sets it from config.json's
+        `pad_token_id`: T5's 0), else the first eos_token_id (else 0).
       bucket: pad the prompt (masked) to a power-of-two length so that nearby prompt lengths
         share one compiled program.
       return_lengths: also return each row's length (the numpy convention of
@@ -75,7 +93,9 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
         next three, applied in its order before the temperature / top-k / top-p
         (`tfx.generation.processors`). They see a row's real tokens only: its prompt without
         padding (for an encoder–decoder, the decoder start token), then the new tokens.
-      no_repeat_ngram_size: a logits processor, as repetition_penalty.
+        Default: the config's (1.0 switches it off).
+      no_repeat_ngram_size: a logits processor, as repetition_penalty (0 switches the
+        config's off).
       min_new_tokens: a logits processor, as repetition_penalty; needs eos_token_id.
       bad_words_ids: a logits processor, as repetition_penalty.
       stop_sequences: token id sequences; a row whose newest tokens complete one ends there,
@@ -92,22 +112,30 @@ def generate(model: Decoder | EncoderDecoder, input_ids, *, max_new_tokens: int,
       mask's zeros for a count of real tokens.
     Raises:
       ValueError: before anything compiles, for an argument out of range (numbers may be
-        Python or numpy scalars; NaN and infinities are refused), or a prompt +
-        max_new_tokens longer than the model's max_len (its learned positions or its cache).
+        Python or numpy scalars; NaN and infinities are refused), no max_new_tokens (neither
+        given nor in the config), or a prompt + max_new_tokens longer than the model's max_len
+        (its learned positions or its cache).
+      TypeError: for a model of another kind, or when called under jax.jit / nnx.jit (generate
+        compiles its own loop: call it outside).
     """
     if not isinstance(model, Decoder | EncoderDecoder):
         raise TypeError(f"model must be a tfx Decoder or EncoderDecoder, got "
                         f"{type(model).__name__}")
+    outside_jit("tfx.generate", nnx.state(model), input_ids, attention_mask, rng)
+    defaults = generation_config_of(model)
     config = model.config
     ids, mask = prompt_and_mask(input_ids, attention_mask, config.vocab_size)
     seq2seq = isinstance(model, EncoderDecoder)
-    max_new_tokens = integer("max_new_tokens", max_new_tokens)
-    filters = sampling_filters(temperature, top_k, top_p, rng)
-    eos = token_ids("eos_token_id", eos_token_id, config.vocab_size)
-    pad_token_id = pad_id(config, pad_token_id, eos)
+    max_new_tokens = integer("max_new_tokens", defaults.new_tokens(
+        max_new_tokens, 1 if seq2seq else ids.shape[1]))
+    filters = sampling_filters(*defaults.sampling(temperature, top_k, top_p))
+    rng = sampling_key(rng, filters)
+    eos, pad_token_id = special_ids(config, defaults, eos_token_id, pad_token_id)
+    unset = defaults.fill(repetition_penalty=repetition_penalty,
+                          no_repeat_ngram_size=no_repeat_ngram_size)
     processors = logits_processors(
-        config.vocab_size, eos, repetition_penalty=repetition_penalty,
-        no_repeat_ngram_size=no_repeat_ngram_size, min_new_tokens=min_new_tokens,
+        config.vocab_size, eos, repetition_penalty=unset["repetition_penalty"],
+        no_repeat_ngram_size=unset["no_repeat_ngram_size"], min_new_tokens=min_new_tokens,
         bad_words_ids=bad_words_ids, stop_sequences=stop_sequences)
     if seq2seq:
         source_fits(config, ids.shape[1])

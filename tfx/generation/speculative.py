@@ -28,12 +28,14 @@ from flax import nnx
 from tfx.generation._inputs import (
     decoder_prompt,
     integer,
-    pad_id,
+    outside_jit,
     prompt_and_mask,
     sampling_filters,
-    token_ids,
+    sampling_key,
+    special_ids,
 )
 from tfx.generation._outputs import lengths
+from tfx.generation.config import generation_config_of
 from tfx.models.decoder import Decoder
 from tfx.ops.kv_cache import KVCache
 from tfx.ops.speculative import draw, token_probs, verify_draft
@@ -67,14 +69,19 @@ class SpeculativeStats:
         return float(self.new_tokens.sum() / self.target_calls.sum())
 
 
-def speculative_generate(target: Decoder, draft: Decoder, input_ids, *, max_new_tokens: int,
-                         num_draft_tokens: int = 4, temperature: float = 1.0,
+def speculative_generate(target: Decoder, draft: Decoder, input_ids, *,
+                         max_new_tokens: int | None = None, num_draft_tokens: int = 4,
+                         temperature: float | None = None,
                          top_k: int | None = None, top_p: float | None = None,
                          rng: jax.Array | None = None, attention_mask=None,
                          eos_token_id: int | Sequence[int] | None = None,
                          pad_token_id: int | None = None, bucket: bool = True,
                          return_lengths: bool = False, return_stats: bool = False):
     """Continue prompts with `target`, drafting with `draft`.
+
+    Arguments left None come from `target.generation_config`, as in `tfx.generate`; its
+    logits processors (repetition_penalty, no_repeat_ngram_size) are not applied: speculative
+    decoding has none, so a config that sets them decodes differently from `tfx.generate`.
 
     Args:
       target: the `tfx.models.Decoder` whose output is wanted.
@@ -97,20 +104,23 @@ def speculative_generate(target: Decoder, draft: Decoder, input_ids, *, max_new_
       int32 [batch, prompt_len + max_new_tokens] as `tfx.generate`; with return_lengths and/or
       return_stats, a tuple `(tokens, lengths, stats)` of those asked for.
     Raises:
-      TypeError: for models that are not Decoders.
+      TypeError: for models that are not Decoders, or when called under jax.jit / nnx.jit.
       ValueError: before anything compiles, for an argument out of range, different vocabulary
         sizes, a prompt + max_new_tokens longer than either model's max_len, or a model whose
         cache cannot forget rejected tokens (a ring-buffer sliding window shorter than the
         sequence, or a Transformer-XL memory).
     """
     _check_models(target, draft)
+    outside_jit("tfx.speculative_generate", nnx.state(target), nnx.state(draft), input_ids,
+                attention_mask, rng)
+    defaults = generation_config_of(target)
     config = target.config
     ids, mask = prompt_and_mask(input_ids, attention_mask, config.vocab_size)
-    max_new_tokens = integer("max_new_tokens", max_new_tokens)
+    max_new_tokens = integer("max_new_tokens", defaults.new_tokens(max_new_tokens, ids.shape[1]))
     num_draft = integer("num_draft_tokens", num_draft_tokens)
-    filters = sampling_filters(temperature, top_k, top_p, rng)
-    eos = token_ids("eos_token_id", eos_token_id, config.vocab_size)
-    pad_token_id = pad_id(config, pad_token_id, eos)
+    filters = sampling_filters(*defaults.sampling(temperature, top_k, top_p))
+    rng = sampling_key(rng, filters)
+    eos, pad_token_id = special_ids(config, defaults, eos_token_id, pad_token_id)
     # The shorter of the two models' max_len bounds the prompt and new tokens.
     max_len = min(config.max_len, draft.config.max_len)
     padded_ids, padded_mask = decoder_prompt(max_len, ids, mask, max_new_tokens, bucket=bucket)

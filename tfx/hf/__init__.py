@@ -88,9 +88,14 @@ def load(path: str | pathlib.Path, *, dtype: str | None = None, mesh=None, stric
         "scan_layers": True}`.
     Returns:
       an NNX module in eval mode (dropout off) whose call mirrors `config.architectures[0]`.
+      A decoder or encoder–decoder carries `generation_config`, a
+      `tfx.generation.GenerationConfig` read from generation_config.json (without one, from
+      config.json's eos / bos / pad ids and generation fields, as transformers does): the
+      defaults of `tfx.generate`, `tfx.beam_search` and `tfx.speculative_generate`.
     Raises:
-      ValueError: naming the file or tensors at fault: unreadable config.json (not UTF-8,
-        not JSON, not an object), an unsupported architecture, a quantized checkpoint
+      ValueError: naming the file or tensors at fault: unreadable config.json or
+        generation_config.json (not UTF-8, not JSON, not an object; a generation field out
+        of range), an unsupported architecture, a quantized checkpoint
         (`quantization_config`, or weights of a dtype other than float16 / bfloat16 /
         float32), the file rules above, missing or unexpected tensors (strict), shapes that
         do not fit; `dtype` not one of the three.
@@ -103,6 +108,7 @@ def load(path: str | pathlib.Path, *, dtype: str | None = None, mesh=None, stric
     mesh = streaming.resolve_mesh(mesh)
     folder = pathlib.Path(path)
     family, config = _family_and_config(folder)
+    generation = io.read_generation_config(folder) if _generates(config) else None
     if dtype is not None:
         overrides["compute"] = {**overrides.get("compute", {}), "dtype": dtype,
                                 "param_dtype": dtype}
@@ -114,7 +120,17 @@ def load(path: str | pathlib.Path, *, dtype: str | None = None, mesh=None, stric
     model = streaming.load_model(config, steps, checkpoint, left_out=left_out,
                                  optional=family.OPTIONAL_PARAMS, mesh=mesh, source=str(folder))
     model.eval()
+    if generation is not None:
+        model.generation_config = generation  # static: it survives nnx.split / merge and jit
     return model
+
+
+def _generates(config) -> bool:
+    """Whether the model of `config` decodes with `tfx.generate` (a decoder or an
+    encoder–decoder)."""
+    from tfx.models.config import DecoderConfig, EncoderDecoderConfig
+
+    return isinstance(config, DecoderConfig | EncoderDecoderConfig)
 
 
 def folder_config(path: str | pathlib.Path):
@@ -155,10 +171,11 @@ def save(model: nnx.Module, path: str | pathlib.Path, *, architecture: str,
     Tensors keep the parameters' dtype (config.json's "dtype" says which). Up to
     `max_shard_size` of tensors (bytes, or a size such as "5GB" or "500MiB") the folder holds
     one `model.safetensors`; beyond, `model-0000i-of-0000N.safetensors` files and their
-    `model.safetensors.index.json`, as save_pretrained writes them. Parameters are gathered to
-    the host one file at a time, from wherever they are sharded (see `tfx.hf.saving`). The
-    folder is written to a temporary place and renamed, so a failing save never leaves a
-    broken checkpoint behind or overwrites a good one.
+    `model.safetensors.index.json`, as save_pretrained writes them; a model with a
+    `generation_config` (`tfx.generation.GenerationConfig`) gets its generation_config.json.
+    Parameters are gathered to the host one file at a time, from wherever they are sharded
+    (see `tfx.hf.saving`). The folder is written to a temporary place and renamed, so a
+    failing save never leaves a broken checkpoint behind or overwrites a good one.
 
     Raises:
       ValueError: an architecture tfx does not save, or one that cannot express the model

@@ -1,8 +1,8 @@
 """Files of a Hugging Face checkpoint folder, and moving arrays in and out of an NNX model.
 
-Reads `config.json` and safetensors weights (`tfx.hf.tensorfiles`: headers first, then each
-tensor mapped when it is asked for); refuses pickle checkpoints. Every failure
-names the file or tensor at fault. Which files hold the weights (what transformers'
+Reads `config.json`, `generation_config.json` and safetensors weights (`tfx.hf.tensorfiles`:
+headers first, then each tensor mapped when it is asked for); refuses pickle checkpoints. Every
+failure names the file or tensor at fault. Which files hold the weights (what transformers'
 save_pretrained writes, and nothing else):
 
 - with `model.safetensors.index.json`: the shards its "weight_map" names, each tensor read only
@@ -31,17 +31,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tfx.generation.config import GenerationConfig
 from tfx.hf import tensorfiles
 from tfx.nn.paths import path_name
 
 __all__ = ["Checkpoint", "assign_params", "flat_params", "inside", "is_stacked", "layer_path",
-           "read_config", "read_json", "read_tensors", "split_layer", "stack_layers",
-           "unstack_layers", "write_folder"]
+           "read_config", "read_generation_config", "read_json", "read_tensors", "split_layer",
+           "stack_layers", "unstack_layers", "write_folder"]
 
 Path = tuple[str | int, ...]
 _PICKLES = ("pytorch_model.bin", "model.bin", "pytorch_model.bin.index.json", "model.pt",
             "tf_model.h5", "flax_model.msgpack")
 _SINGLE, _INDEX = "model.safetensors", "model.safetensors.index.json"
+_GENERATION = "generation_config.json"
 _JSON_KINDS = {dict: "object", list: "array", str: "string", int: "number", float: "number",
                bool: "true/false", type(None): "null"}
 
@@ -53,6 +55,18 @@ def read_config(folder: pathlib.Path) -> dict:
                          "transformers' save_pretrained writes: config.json + *.safetensors)")
     path = inside(folder, "config.json", f"{folder / 'config.json'}")
     return read_json(path, dict, "a checkpoint folder needs its config.json")
+
+
+def read_generation_config(folder: pathlib.Path) -> GenerationConfig:
+    """The decoding defaults of a checkpoint folder: its generation_config.json, else (as
+    transformers' `GenerationConfig.from_model_config`) the same fields of its config.json,
+    each over transformers' defaults (`tfx.generation.config`). ValueError names the file and
+    field at fault."""
+    path = inside(folder, _GENERATION, str(folder / _GENERATION))
+    if not path.is_file():
+        path = inside(folder, "config.json", str(folder / "config.json"))
+    return GenerationConfig.from_hf(read_json(path, dict, "a checkpoint folder needs its "
+                                              "config.json"), str(path))
 
 
 def read_json(path: pathlib.Path, kind: type, missing: str) -> dict | list:
@@ -270,7 +284,8 @@ def is_stacked(path: Path) -> bool:
 
 
 def write_folder(folder: pathlib.Path, config: dict,
-                 tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, Mapping]]) -> None:
+                 tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, Mapping]], *,
+                 json_files: Mapping[str, dict] | None = None) -> None:
     """Write a checkpoint folder atomically: config.json and the weights go into a temporary
     folder beside `folder`, which is then renamed into place (replacing an existing one only
     then), so a failed save never leaves a half-written or clobbered checkpoint behind.
@@ -279,6 +294,8 @@ def write_folder(folder: pathlib.Path, config: dict,
       tensors: the weights, by name: one `model.safetensors`; or (file name, tensors) pairs,
         one per file, taken one at a time (a generator can gather each file's tensors when its
         turn comes), with `model.safetensors.index.json` when there are several.
+      json_files: more JSON files to write beside config.json, by file name (e.g.
+        generation_config.json).
     """
     folder = pathlib.Path(folder)
     if folder.exists() and not folder.is_dir():
@@ -295,7 +312,8 @@ def write_folder(folder: pathlib.Path, config: dict,
         if len(set(weight_map.values())) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (staging / _INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
-        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        for name, value in {"config.json": config, **(json_files or {})}.items():
+            (staging / name).write_text(json.dumps(value, indent=2, sort_keys=True))
         if folder.exists():
             backup = folder.with_name(f".{folder.name}.old")
             os.replace(folder, backup)

@@ -12,7 +12,8 @@ original). A first run on stand-ins alone gives every tensor's name, shape and d
 
 Files are laid out as transformers' save_pretrained lays them out: `model.safetensors` alone,
 or `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json` when the tensors
-exceed `max_shard_size`, written by `tfx.hf.io.write_folder` (atomically, a tensor at a time).
+exceed `max_shard_size`, written by `tfx.hf.io.write_folder` (atomically, a tensor at a time),
+with the model's `generation_config` as generation_config.json.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from tfx.generation.config import generation_config_of
 from tfx.hf import io
 
 __all__ = ["parse_size", "save_model"]
@@ -38,7 +40,10 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 def save_model(model: nnx.Module, folder: pathlib.Path, family, architecture: str,
                max_shard_size: int) -> None:
     """Write `model` as a folder of `architecture` (a name `family` saves), in files of at
-    most `max_shard_size` bytes of tensors (a tensor larger than that gets a file alone)."""
+    most `max_shard_size` bytes of tensors (a tensor larger than that gets a file alone), with
+    generation_config.json when the model has a `generation_config`."""
+    generation = None if getattr(model, "generation_config", None) is None else \
+        {"generation_config.json": generation_config_of(model).to_hf()}
     config = model.config
     hf_config = family.config_to_hf(config, architecture)
     params = _per_layer(model)
@@ -56,7 +61,7 @@ def save_model(model: nnx.Module, folder: pathlib.Path, family, architecture: st
             yield file, {name: tensors[name] for name in names}
             del gathered, tensors  # before the next file's are gathered
 
-    io.write_folder(folder, hf_config, contents())
+    io.write_folder(folder, hf_config, contents(), json_files=generation)
 
 
 def _per_layer(model: nnx.Module) -> dict[Path, tuple[jax.Array, int | None]]:

@@ -33,8 +33,9 @@ import numpy as np
 from flax import nnx
 
 from tfx.hf import io, placement, plan
-from tfx.models import create
+from tfx.models import presets
 from tfx.nn.paths import path_name
+from tfx.parallel import resolve_mesh
 
 __all__ = ["load_model", "resolve_mesh"]
 
@@ -79,17 +80,6 @@ def load_model(config, steps: Sequence[plan.Step], checkpoint: io.Checkpoint, *,
                               for path in rest}
     state = nnx.from_flat_state([(path, var.replace(values[path])) for path, var in variables])
     return nnx.merge(graphdef, state)
-
-
-def resolve_mesh(mesh):
-    """`mesh` (a jax Mesh), else the mesh `jax.set_mesh` set, else None (no mesh)."""
-    if mesh is None:
-        mesh = jax.sharding.get_mesh()  # an empty Mesh outside jax.set_mesh
-        return None if mesh.empty else mesh
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. tfx.parallel.make_mesh(...)) "
-                        f"or None, got {type(mesh).__name__}")
-    return mesh
 
 
 def _run_all(steps: Sequence[plan.Step], checkpoint: io.Checkpoint,
@@ -163,7 +153,9 @@ def _trace(config):
     built = {}
 
     def build():
-        built["graphdef"], state = nnx.split(create(config, rngs=_tracing_rngs(0)))
+        # `presets.build`, not `create`: op by op, also under an enclosing jax.set_mesh (whose
+        # `create` would make the variables in one compiled program).
+        built["graphdef"], state = nnx.split(presets.build(config, _tracing_rngs(0)))
         return nnx.to_flat_state(state)
 
     program, variables = jax.make_jaxpr(build, return_shape=True)()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import AxisType, PartitionSpec
 
 from tfx.nn import axes
 from tfx.ops import _checks
@@ -40,12 +41,31 @@ class TokenEmbedding(nnx.Module):
         table = self.table[...] if self.dtype is None else self.table[...].astype(self.dtype)
         if self.one_hot:
             return jax.nn.one_hot(ids, self.vocab_size, dtype=table.dtype) @ table
-        return jnp.take(table, ids, axis=0)
+        return jnp.take(_whole_rows(table), ids, axis=0)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied output head: [batch, seq, d_model] -> logits [batch, seq, vocab_size]."""
         table = self.table[...].astype(x.dtype)
         return jnp.einsum("bsd,vd->bsv", x, table)
+
+
+def _whole_rows(table: jax.Array) -> jax.Array:
+    """`table` [rows, d_model] with its d_model dimension gathered on every device, under a
+    mesh of `AxisType.Auto` axes (`jax.set_mesh`, the train step's abstract mesh); unchanged
+    without one, and under explicit or manual axes, where shardings are the arrays' types.
+
+    FSDP splits the table's d_model over "fsdp", and XLA's partitioner otherwise looks rows
+    up in that layout: the embeddings come out split over d_model while every other activation
+    is split over the batch, and going between the two (an all-to-all over devices it cannot
+    pair up) it does by replicating the whole [batch, seq, d_model] tensor ("Involuntary full
+    rematerialization", in the backward pass's scatter). Gathering the table first, as FSDP
+    gathers every weight where it is used, makes the lookup of each device's own rows local.
+    The rows keep the split the partitioner picks (the vocabulary over "tensor")."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or any(kind != AxisType.Auto for kind in mesh.axis_types):
+        return table
+    return jax.lax.with_sharding_constraint(table,
+                                            PartitionSpec(PartitionSpec.UNCONSTRAINED, None))
 
 
 class LearnedPositions(nnx.Module):

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
-__all__ = ["AXES", "make_mesh", "mesh_from_config"]
+__all__ = ["AXES", "make_mesh", "mesh_from_config", "resolve_mesh"]
 
 AXES = ("data", "fsdp", "expert", "sequence", "tensor")
 
@@ -67,3 +67,15 @@ def mesh_from_config(config, *, devices: Sequence[jax.Device] | None = None) -> 
     sequence (tfx.train.config.MeshConfig)."""
     return make_mesh(config.data, config.fsdp, config.tensor, getattr(config, "expert", 1),
                      getattr(config, "sequence", 1), devices=devices)
+
+
+def resolve_mesh(mesh: Mesh | None) -> Mesh | None:
+    """`mesh` (a jax Mesh), else the mesh of an enclosing `jax.set_mesh`, else None (no mesh:
+    the default device). A TypeError names anything else passed as `mesh`."""
+    if mesh is None:
+        mesh = jax.sharding.get_mesh()  # an empty Mesh outside jax.set_mesh
+        return None if mesh.empty else mesh
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. tfx.parallel.make_mesh(...)) "
+                        f"or None, got {type(mesh).__name__}")
+    return mesh

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 
 from flax import nnx
@@ -71,7 +70,7 @@ def load_served(path: str | pathlib.Path, adapters: dict[str, str] | None = None
         attach_many(model, {key: _adapter(folder, model) for key, folder in adapters.items()})
     if max_len is not None:
         model = with_cache_length(model, max_len, max_len)
-    return Served(model, tokenizer, name, tuple(adapters), _eos(path, tokenizer))
+    return Served(model, tokenizer, name, tuple(adapters), _eos(model, tokenizer))
 
 
 def _adapter(folder: str, model):
@@ -90,13 +89,14 @@ def _adapter(folder: str, model):
                      "(adapter_config.json) nor a tfx LoRA run (checkpoints/config.json)")
 
 
-def _eos(path: pathlib.Path, tokenizer) -> tuple[int, ...]:
-    """The checkpoint's EOS ids: generation_config.json's, else config.json's, else the
-    tokenizer's."""
-    for file in ("generation_config.json", "config.json"):
-        if (path / file).is_file():
-            eos = json.loads((path / file).read_text()).get("eos_token_id")
-            if eos is not None:
-                return tuple(eos) if isinstance(eos, list) else (eos,)
+def _eos(model, tokenizer) -> tuple[int, ...]:
+    """The checkpoint's EOS ids: those of the model's generation config (what `tfx.hf.load`
+    reads from generation_config.json, else config.json, and `tfx.generate` stops at), else
+    the tokenizer's."""
+    from tfx.generation.config import generation_config_of
+
+    eos = generation_config_of(model).eos_token_id
+    if eos:
+        return eos
     eos = getattr(tokenizer, "eos_id", None)
     return () if eos is None else (eos,)

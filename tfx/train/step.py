@@ -24,6 +24,7 @@ import optax
 from flax import nnx
 
 from tfx.nn.paths import path_name
+from tfx.parallel import check_mesh_use
 from tfx.train.config import Experiment, TrainConfig
 from tfx.train.experts import MOE_METRICS, add_moe_losses, balance_experts, expert_loads
 from tfx.train.optim import make_optimizer
@@ -161,11 +162,16 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State,
     state_sharding: a TrainState of shardings to keep the state on (tfx.parallel); the state
       argument is donated.
     mesh: the mesh the step is traced under; mixture-of-experts layers split their experts
-      over its "expert" axis (expert parallelism).
+      over its "expert" axis (expert parallelism). With `state_sharding`, a mesh whose
+      "expert" or "tensor" axis splits no parameter is refused (a ValueError naming it,
+      `tfx.parallel.check_mesh_use`).
     load_balancing_weight, router_z_weight, router_bias_rate: a model with experts' training
       settings (tfx.train.config.TrainConfig): the weights of its routing losses in the loss,
       and the step of its "deepseek" selection biases.
     """
+    if mesh is not None and state_sharding is not None:
+        check_mesh_use(state_sharding, mesh)
+
     def sums_and_grads(params, frozen, batch, rng):
         def loss_sum(p):
             model = _merge(graphdef, p, frozen, rest, rng, train=True)
