@@ -17,6 +17,8 @@ ARCHITECTURES = {
     "mixtral-8x7b": "MixtralForCausalLM", "qwen2.5-0.5b": "Qwen2ForCausalLM",
     "qwen3-0.6b": "Qwen3ForCausalLM", "qwen3-30b-a3b": "Qwen3MoeForCausalLM",
     "olmo2-1b": "Olmo2ForCausalLM", "olmo2-7b": "Olmo2ForCausalLM",
+    "olmo3-7b": "Olmo3ForCausalLM", "olmo3-32b": "Olmo3ForCausalLM",
+    "gpt-oss-20b": "GptOssForCausalLM", "gpt-oss-120b": "GptOssForCausalLM",
     "phi3-mini-4k": "Phi3ForCausalLM", "gemma2-2b": "Gemma2ForCausalLM",
     "gemma3-1b": "Gemma3ForCausalLM", "pythia-160m": "GPTNeoXForCausalLM",
     "gpt2-small": "GPT2LMHeadModel", "gpt2-medium": "GPT2LMHeadModel",
@@ -72,8 +74,8 @@ def test_a_public_config_json_reads_as_its_named_size(name):
     assert families.canonical(config) == families.canonical(families.size_config(name))
 
 
-@pytest.mark.parametrize("module", ["bert", "deepseek", "gemma", "gpt2", "gpt_neox", "llama",
-                                    "mixtral", "olmo2", "phi3", "qwen", "t5"])
+@pytest.mark.parametrize("module", ["bert", "deepseek", "gemma", "gpt2", "gpt_neox", "gpt_oss",
+                                    "llama", "mixtral", "olmo2", "olmo3", "phi3", "qwen", "t5"])
 def test_a_default_config_json_reads_as_a_model_of_the_card(module):
     family = importlib.import_module(f"tfx.hf.{module}")
     for architecture in family.ARCHITECTURES:

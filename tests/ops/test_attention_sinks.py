@@ -86,3 +86,36 @@ def test_kernels_without_sinks_refuse_them_by_name():
         dot_product_attention(q, k, v, sinks=sinks, implementation="splash")
     with pytest.raises(ValueError, match=r"sinks must be \[num_heads\] = \(4,\), got \(2,\)"):
         dot_product_attention(q, k, v, sinks=sinks[:2])
+
+
+@pytest.mark.parametrize("implementation", ["reference", "blocked"])
+def test_paged_attention_with_sinks_equals_cached_attention(implementation):
+    """Pages of 64 tokens: the blocked kernel runs two blocks of pages (its online softmax
+    starts from the sink); a padding query (position -1) sees nothing and gives zeros."""
+    from tfx.ops.attention.paged import gather_pages, paged_attention
+
+    q, k, v, sinks = _inputs(4, q_len=3, kv_len=256)
+    pool = [jnp.swapaxes(x, 1, 2).reshape(2, 2, 4, 64, 8).transpose(1, 0, 2, 3, 4)
+            .reshape(2, 8, 64, 8) for x in (k, v)]  # sequence b's page p is pool page 4b + p
+    table = jnp.arange(8, dtype=jnp.int32).reshape(2, 4)
+    positions = jnp.asarray([[200, 201, 202], [70, 71, -1]], jnp.int32)
+    out = paged_attention(q, *pool, table, positions, sinks=sinks, implementation=implementation)
+    mask = jnp.arange(256)[None, None, None, :] <= positions[:, None, :, None]
+    dense = [gather_pages(x, table) for x in pool]
+    expected = dot_product_attention(q, *dense, mask=mask, sinks=sinks, heads_major=True)
+    chex.assert_trees_all_close(out, expected, atol=1e-5)
+    chex.assert_trees_all_close(out[1, 2], jnp.zeros_like(out[1, 2]))
+    np.testing.assert_array_equal(dense[0], jnp.swapaxes(k, 1, 2))  # the pages hold k
+
+
+def test_paged_pallas_kernels_refuse_sinks_by_name():
+    from tfx.ops.attention.paged import paged_attention
+
+    q, k, v, sinks = _inputs(5, q_len=1, kv_len=16)
+    pool = [jnp.swapaxes(x, 1, 2).reshape(2, 2, 1, 16, 8).transpose(1, 0, 2, 3, 4)
+            .reshape(2, 2, 16, 8) for x in (k, v)]
+    table, positions = jnp.asarray([[0], [1]], jnp.int32), jnp.asarray([[15], [15]], jnp.int32)
+    with pytest.raises(ValueError, match=r"'pallas_gpu' cannot run this call.*no sinks"):
+        paged_attention(q, *pool, table, positions, sinks=sinks, implementation="pallas_gpu")
+    with pytest.raises(ValueError, match=r"sinks must be \[num_heads\] = \(4,\)"):
+        paged_attention(q, *pool, table, positions, sinks=sinks[:3])

@@ -69,7 +69,8 @@ class Block(nnx.Module):
         inputs = c.norm.inputs or not c.norm.pre_norm
         position = _position(c, layer_type, rngs)
         latent = getattr(c, "latent", None)  # decoders only
-        self.attention = (attention(position=position) if latent is None else LatentAttention(
+        self.attention = (attention(position=position, sinks=c.attention.sinks)
+                          if latent is None else LatentAttention(
             c.d_model, c.num_heads, **dataclasses.asdict(latent), use_bias=c.use_bias,
             scale=c.attention.scale, position=position, norm_eps=c.norm.eps,
             softcap=c.attention.softcap, implementation=c.attention.implementation,
@@ -87,7 +88,9 @@ class Block(nnx.Module):
                            implementation=c.moe.dispatch, shared_experts=c.moe.shared_experts,
                            renormalize=c.moe.renormalize, num_groups=c.moe.num_groups,
                            groups_per_token=c.moe.groups_per_token,
-                           routed_scale=c.moe.routed_scale, rngs=rngs, **kinds)
+                           routed_scale=c.moe.routed_scale, router_bias=c.moe.router_bias,
+                           expert_bias=c.moe.expert_bias, swiglu_limit=c.moe.swiglu_limit,
+                           swiglu_alpha=c.moe.swiglu_alpha, rngs=rngs, **kinds)
         else:
             self.mlp = MLP(c.d_model, c.d_ff, activation=c.mlp.activation, gated=c.mlp.gated,
                            use_bias=c.use_bias, rngs=rngs, **kinds)

@@ -243,6 +243,9 @@ class DecoderConfig(TransformerConfig):
             if value is not None:
                 raise ValueError(f"{name} has no meaning with latent attention (the latent "
                                  f"sub-config sizes the heads): set it to None, got {value!r}")
+        if self.attention.sinks:
+            raise ValueError("attention.sinks is not implemented for latent attention "
+                             "(tfx.nn.LatentAttention takes no sinks)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

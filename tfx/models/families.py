@@ -34,7 +34,8 @@ from tfx.models.config import (
 )
 
 __all__ = ["BERT", "DEEPSEEK_V3", "DEFAULTS", "FAMILIES", "GEMMA2", "GEMMA3", "GPT2", "GPT_NEOX",
-           "LLAMA", "MISTRAL", "MIXTRAL", "OLMO2", "PHI3", "QWEN2", "QWEN3", "QWEN3_MOE",
+           "GPT_OSS",
+           "LLAMA", "MISTRAL", "MIXTRAL", "OLMO2", "OLMO3", "PHI3", "QWEN2", "QWEN3", "QWEN3_MOE",
            "RUNTIME", "SIZES", "T5", "TRANSFORMER", "Family", "canonical", "flat",
            "size_config"]
 
@@ -305,6 +306,23 @@ OLMO2 = LLAMA.but(
                             rope={"theta": 500000.0}, embeddings={"tie": False,
                                                                   "pad_id": 100277})})
 
+# OLMo 3: OLMo 2 with sliding and full layers (three sliding per full one in its checkpoints) and
+# rope settings per layer kind. The sizes are the pretraining shapes (8192 tokens): the released
+# checkpoints stretch their full layers to 65536 with YaRN (factor 8), which config.json states
+# and `tfx.hf.load` reads (rope.scaling with the sliding layers' rope.local_theta); a scaling
+# object is no card data, as it needs jax.
+_OLMO3_SIZES = dict(vocab_size=100278, max_len=8192, norm={"eps": 1e-6}, rope={"theta": 500000.0},
+                    embeddings={"tie": False, "pad_id": 100277})
+OLMO3 = OLMO2.but(
+    name="olmo3", free={"attention.sliding_window", "attention.layer_types", "rope.local_theta"},
+    sizes={"olmo3-7b": dict(_OLMO3_SIZES, d_model=4096, num_layers=32, num_heads=32, d_ff=11008,
+                            attention={"sliding_window": 4096,
+                                       "layer_types": (("sliding",) * 3 + ("full",)) * 8}),
+           "olmo3-32b": dict(_OLMO3_SIZES, d_model=5120, num_layers=64, num_heads=40,
+                             d_ff=27648,
+                             attention={"num_kv_heads": 8, "sliding_window": 4096,
+                                        "layer_types": (("sliding",) * 3 + ("full",)) * 16})})
+
 # Phi-3: LLaMA without biases or rope scaling (no LongRoPE), with a window and partial rotary.
 PHI3 = MISTRAL.but(
     name="phi3", rope={"scaling": None}, free={"rope.fraction"},
@@ -349,6 +367,32 @@ DEEPSEEK_V3 = LLAMA.but(
     free={"latent", "attention.scale", "rope.layout", "moe.num_experts",
           "moe.experts_per_token", "moe.d_ff", "moe.shared_experts", "moe.first_dense",
           "moe.num_groups", "moe.groups_per_token", "moe.renormalize", "moe.routed_scale"})
+
+
+# GPT-OSS: Mixtral with a learned sink logit per head, attention_bias (q, k, v and o), sliding
+# and full layers, a router with a bias whose top-k logits are softmaxed (renormalised top-k),
+# and experts with biases and a clamped SwiGLU. The sizes are the public config.json's but for
+# its YaRN rope scaling (factor 32 over 4096 tokens), which `tfx.hf.load` reads: a scaling
+# object is no card data, as it needs jax.
+def _gpt_oss_size(num_layers: int, num_experts: int) -> dict:
+    """A GPT-OSS size of `num_layers` layers (sliding, full, ...) of `num_experts` experts:
+    what gpt-oss-20b's and -120b's config.json share besides."""
+    return dict(vocab_size=201088, d_model=2880, num_layers=num_layers, num_heads=64,
+                d_ff=2880, max_len=131072, norm={"eps": 1e-5}, rope={"theta": 150000.0},
+                embeddings={"tie": False, "pad_id": 199999},
+                attention={"num_kv_heads": 8, "head_dim": 64, "sliding_window": 128,
+                           "qkv_bias": True, "out_bias": True,
+                           "layer_types": ("sliding", "full") * (num_layers // 2)},
+                moe={"num_experts": num_experts, "experts_per_token": 4, "d_ff": 2880,
+                     "swiglu_limit": 7.0})
+
+
+GPT_OSS = MIXTRAL.but(
+    name="gpt_oss", attention={"sinks": True},
+    moe={"renormalize": True, "router_bias": True, "expert_bias": True},
+    free={"attention.qkv_bias", "attention.out_bias", "attention.layer_types",
+          "moe.swiglu_limit", "moe.swiglu_alpha"},
+    sizes={"gpt-oss-20b": _gpt_oss_size(24, 32), "gpt-oss-120b": _gpt_oss_size(36, 128)})
 
 # GPT-NeoX (Pythia): LayerNorm, biases, an ungated MLP, partial rotary positions, MHA.
 GPT_NEOX = Family(
@@ -410,8 +454,8 @@ TRANSFORMER = Family(
                                     d_ff=2048, dropout=0.1)})
 
 FAMILIES = MappingProxyType({card.name: card for card in (
-    LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, OLMO2, PHI3, GEMMA2, GEMMA3, DEEPSEEK_V3,
-    GPT_NEOX, GPT2, BERT, T5, TRANSFORMER)})
+    LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, OLMO2, OLMO3, PHI3, GEMMA2, GEMMA3,
+    DEEPSEEK_V3, GPT_OSS, GPT_NEOX, GPT2, BERT, T5, TRANSFORMER)})
 # Named size -> its family.
 SIZES = MappingProxyType({size: card for card in FAMILIES.values() for size in card.sizes})
 

@@ -51,6 +51,8 @@ REMAT_POLICIES = ("nothing_saveable", "dots_with_no_batch_dims_saveable", "dots_
                   "everything_saveable", "save_attention_outputs", "save_qkv_proj",
                   "save_qkv_and_attention_outputs")
 RematPolicy = Literal[REMAT_POLICIES]  # the tuple above, as tyro and the CLI read it
+# GPT-OSS's gain of its clamped SwiGLU (MoeConfig.swiglu_alpha), the default.
+_SWIGLU_ALPHA = 1.702
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -135,6 +137,10 @@ class AttentionConfig:
     qk_norm: QKNorm | None = None
     """Normalise queries and keys before positions are applied (norm.kind, norm.eps):
     "per_head" (Qwen 3, Gemma 3) or "across_heads" (OLMo 2); None: not normalised."""
+    sinks: bool = False
+    """A learned sink logit per head (GPT-OSS): each softmax also counts a key of that score
+    and value zero, so a head may attend to nothing (`tfx.ops.dot_product_attention`'s
+    sinks)."""
 
     def __post_init__(self):
         for name in ("num_kv_heads", "head_dim", "sliding_window"):
@@ -152,6 +158,7 @@ class AttentionConfig:
             if getattr(self, name) is not None:
                 boolean(f"attention.{name}", getattr(self, name))
         one_of("attention.qk_norm", self.qk_norm, (None, *get_args(QKNorm)))
+        boolean("attention.sinks", self.sinks)
         if self.layer_types is not None:
             self._check_layer_types()
 
@@ -261,8 +268,9 @@ class NormConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoeConfig:
     """A mixture of experts (tfx.ops.moe) in place of some layers' MLP. Experts are MLPs with
-    the model's activation and gating and no biases. The training losses' weights and the
-    "deepseek" bias rate are training settings (tfx.train.config.TrainConfig)."""
+    the model's activation and gating, without biases unless `expert_bias`. The training
+    losses' weights and the "deepseek" bias rate are training settings
+    (tfx.train.config.TrainConfig)."""
 
     num_experts: int = 8
     """Routed experts per layer."""
@@ -294,6 +302,17 @@ class MoeConfig:
     """Groups a token's experts may come from (DeepSeek-V3's topk_group)."""
     routed_scale: float = 1.0
     """Factor of the routed experts' weights (DeepSeek-V3's routed_scaling_factor)."""
+    router_bias: bool = False
+    """A bias on the router's logits (GPT-OSS)."""
+    expert_bias: bool = False
+    """Biases on each routed expert's gate, up and down projections (GPT-OSS)."""
+    swiglu_limit: float | None = None
+    """The routed experts' SwiGLU clamped as GPT-OSS's (`tfx.ops.moe.ClampedSwiGLU`; gated
+    "silu" experts): g = min(gate, limit), u = clip(up, -limit, limit), hidden
+    (u + 1) · g · sigmoid(swiglu_alpha · g); None: silu(gate) · up."""
+    swiglu_alpha: float = _SWIGLU_ALPHA
+    """Sigmoid gain of the clamped SwiGLU (GPT-OSS: 1.702, where g · sigmoid(1.702 g) ≈
+    GELU); with swiglu_limit only."""
 
     def __post_init__(self):
         for name in ("num_experts", "experts_per_token", "every"):
@@ -317,7 +336,21 @@ class MoeConfig:
         positive_int("moe.first_dense", self.first_dense, minimum=0)
         if self.renormalize is not None:
             boolean("moe.renormalize", self.renormalize)
+        boolean("moe.router_bias", self.router_bias)
+        boolean("moe.expert_bias", self.expert_bias)
         self._check_groups()
+        self._check_swiglu()
+
+    def _check_swiglu(self):
+        for name in ("swiglu_limit", "swiglu_alpha"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int | float)
+                                          and not isinstance(value, bool)
+                                          and 0 < value < float("inf")):
+                raise ValueError(f"moe.{name} must be a finite number > 0, got {value!r}")
+        if self.swiglu_limit is None and self.swiglu_alpha != _SWIGLU_ALPHA:
+            raise ValueError(f"moe.swiglu_alpha ({self.swiglu_alpha}) is the gain of the clamped "
+                             "SwiGLU: set moe.swiglu_limit too")
 
     def _check_groups(self):
         positive_int("moe.num_groups", self.num_groups)

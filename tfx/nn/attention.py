@@ -58,6 +58,9 @@ class Attention(nnx.Module):
       norm_eps: epsilon of those norms.
       scale: score multiplier (default 1/sqrt(head_dim); T5 uses 1.0).
       softcap: scores become softcap · tanh(scores / softcap) (Gemma 2), or None.
+      sinks: a learned sink logit per query head (GPT-OSS), `sinks` [num_heads] (zeros at
+        init), counted in every softmax as a key of value zero (`tfx.ops.dot_product_attention`'s
+        sinks).
       position: how this attention encodes positions, a `tfx.nn.positions.Position` (Rotary,
         ALiBi, TransformerXL, ...); None: none (NoPE).
       implementation: an implementation of `tfx.ops.dot_product_attention` ("reference",
@@ -72,7 +75,8 @@ class Attention(nnx.Module):
                  out_bias: bool | None = None,
                  qk_norm: str | None = None, norm_eps: float = 1e-6,
                  scale: float | None = None, softcap: float | None = None,
-                 position: Position | None = None, implementation: str | None = None,
+                 sinks: bool = False, position: Position | None = None,
+                 implementation: str | None = None,
                  block_sizes: tuple[int, int] | None = None, dtype=None,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -113,6 +117,8 @@ class Attention(nnx.Module):
             (None, None) if qk_norm is None else
             (QKNorm(qk_norm, num_heads, head_dim, norm_eps, dtype, param_dtype, rngs),
              QKNorm(qk_norm, num_kv_heads, head_dim, norm_eps, dtype, param_dtype, rngs)))
+        # Small and read by every head's softmax: replicated (no axis names).
+        self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype)) if sinks else None
 
     def __call__(self, x: jax.Array, context: jax.Array | LayerKV | None = None, *,
                  positions: jax.Array | None = None, key_positions: jax.Array | None = None,
@@ -161,7 +167,8 @@ class Attention(nnx.Module):
         query, position_bias = self.position.bias(query, positions, keys.positions, keys.kv_len)
         keys = self.attended(keys.with_bias(position_bias))
         out = keys.attention(query, scale=self.scale, softcap=self.softcap,
-                             implementation=self.implementation, block_sizes=self.block_sizes)
+                             implementation=self.implementation, block_sizes=self.block_sizes,
+                             sinks=None if self.sinks is None else self.sinks[...])
         out = self.out(out.reshape(*x.shape[:2], self.num_heads * self.head_dim))
         return out if cache is None else (out, cache)
 
@@ -223,16 +230,17 @@ class Keys:
         return dataclasses.replace(self, bias=bias if self.bias is None else self.bias + bias)
 
     def attention(self, query: jax.Array, *, scale: float | None, softcap: float | None,
-                  implementation: str | None,
-                  block_sizes: tuple[int, int] | None) -> jax.Array:
+                  implementation: str | None, block_sizes: tuple[int, int] | None,
+                  sinks: jax.Array | None = None) -> jax.Array:
         """[batch, q_len, num_heads, head_dim] -> [batch, q_len, num_heads, value_dim]:
-        `tfx.ops.dot_product_attention` of the queries over these keys."""
+        `tfx.ops.dot_product_attention` of the queries over these keys (with the attention's
+        sink logits [num_heads], or None)."""
         return dot_product_attention(
             query, self.key, self.value, bias=self.bias, mask=self.mask,
             is_causal=self.is_causal, scale=scale, softcap=softcap, sparsity=self.sparsity,
             query_segment_ids=self.query_segment_ids, key_segment_ids=self.key_segment_ids,
             implementation=implementation, block_sizes=block_sizes,
-            heads_major=self.heads_major)
+            heads_major=self.heads_major, sinks=sinks)
 
 
 class NoCache:

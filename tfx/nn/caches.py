@@ -81,9 +81,10 @@ class PagedKeys(Keys):
     def kv_len(self) -> int:
         return self.page_table.shape[1] * self.key.shape[2]
 
-    def attention(self, query, *, scale, softcap, implementation, block_sizes):
-        """`tfx.ops.attention.paged`; `implementation` applies when it names a paged kernel
-        ("reference", "blocked"), else the platform's choice runs; block_sizes is unused."""
+    def attention(self, query, *, scale, softcap, implementation, block_sizes, sinks=None):
+        """`tfx.ops.attention.paged` (with the attention's sink logits, or None);
+        `implementation` applies when it names a paged kernel ("reference", "blocked"), else
+        the platform's choice runs; block_sizes is unused."""
         extras = [name for name in ("mask", "bias", "sparsity", "query_segment_ids")
                   if getattr(self, name) is not None]
         if extras or self.is_causal:
@@ -93,7 +94,7 @@ class PagedKeys(Keys):
         kernel = implementation if implementation in PAGED_IMPLEMENTATIONS else None
         return paged_attention(query, self.key, self.value, self.page_table,
                                self.query_positions, scale=scale, softcap=softcap,
-                               implementation=kernel)
+                               implementation=kernel, sinks=sinks)
 
 
 @dataclasses.dataclass(frozen=True)

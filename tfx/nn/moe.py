@@ -26,10 +26,12 @@ __all__ = ["Experts", "MoE"]
 
 class Experts(nnx.Module):
     """E expert MLPs stacked: `gate` (gated only) and `up` [E, d_model, d_ff], `down`
-    [E, d_ff, d_model], each initialised like an nnx.Linear kernel (LeCun normal per expert)."""
+    [E, d_ff, d_model], each initialised like an nnx.Linear kernel (LeCun normal per expert);
+    with `bias` (GPT-OSS) also `gate_bias` (gated only), `up_bias` [E, d_ff] and `down_bias`
+    [E, d_model], zeros like an nnx.Linear bias."""
 
     def __init__(self, num_experts: int, d_model: int, d_ff: int, *, gated: bool,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 bias: bool = False, param_dtype=jnp.float32, rngs: nnx.Rngs):
         init = jax.nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
                                                     in_axis=-2, out_axis=-1, batch_axis=(0,))
 
@@ -38,13 +40,26 @@ class Experts(nnx.Module):
             return nnx.Param(init(rngs.params(), shape, param_dtype),
                              **axes.metadata(axes.EXPERT, *feature_axes))
 
+        def bias_param(features, feature_axis, present=True):
+            # Biases over d_model are replicated, as an nnx.Linear's (tfx.nn.axes).
+            return (nnx.Param(jnp.zeros((num_experts, features), param_dtype),
+                              **axes.metadata(axes.EXPERT, feature_axis))
+                    if bias and present else None)
+
         self.gate = param(d_model, d_ff, (axes.EMBED, axes.MLP)) if gated else None
         self.up = param(d_model, d_ff, (axes.EMBED, axes.MLP))
         self.down = param(d_ff, d_model, (axes.MLP, axes.EMBED))
+        self.gate_bias = bias_param(d_ff, axes.MLP, gated)
+        self.up_bias = bias_param(d_ff, axes.MLP)
+        self.down_bias = bias_param(d_model, None)
 
     def weights(self) -> moe.ExpertWeights:
-        return moe.ExpertWeights(gate=None if self.gate is None else self.gate[...],
-                                 up=self.up[...], down=self.down[...])
+        def value(param):
+            return None if param is None else param[...]
+
+        return moe.ExpertWeights(gate=value(self.gate), up=self.up[...], down=self.down[...],
+                                 gate_bias=value(self.gate_bias), up_bias=value(self.up_bias),
+                                 down_bias=value(self.down_bias))
 
 
 class MoE(nnx.Module):
@@ -74,6 +89,12 @@ class MoE(nnx.Module):
         come from its groups_per_token best of num_groups groups.
       groups_per_token: see num_groups.
       routed_scale: factor of the routed experts' weights (routed_scaling_factor).
+      router_bias: a bias on the router's logits (GPT-OSS).
+      expert_bias: biases on the routed experts' projections (GPT-OSS; `Experts`).
+      swiglu_limit: the routed experts' SwiGLU clamped at this limit, with sigmoid gain
+        `swiglu_alpha` (GPT-OSS: `tfx.ops.moe.ClampedSwiGLU`; gated "silu" experts only);
+        None: the plain gated activation.
+      swiglu_alpha: see swiglu_limit.
       dtype: compute dtype of the experts (the router always computes in float32).
     """
 
@@ -83,17 +104,24 @@ class MoE(nnx.Module):
                  jitter: float = 0.0, implementation: str | None = None,
                  shared_experts: int = 0, renormalize: bool | None = None,
                  num_groups: int = 1, groups_per_token: int = 1, routed_scale: float = 1.0,
+                 router_bias: bool = False, expert_bias: bool = False,
+                 swiglu_limit: float | None = None, swiglu_alpha: float = 1.702,
                  dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs):
         routing = dict(policy=policy, capacity_factor=capacity_factor, jitter=jitter,
                        num_groups=num_groups, groups_per_token=groups_per_token,
                        routed_scale=routed_scale)
         # A bad option fails here, naming it, rather than at the first call.
         moe.check_routing_options(num_experts, experts_per_token, **routing)
+        _check_expert_form(activation, gated, shared_experts, expert_bias, swiglu_limit)
         # Replicated: every device routes its own tokens over all experts.
-        self.router = flat_linear(d_model, num_experts, use_bias=False, param_dtype=param_dtype,
-                                  kernel_metadata=axes.metadata(None, None), rngs=rngs)
-        self.experts = Experts(num_experts, d_model, d_ff, gated=gated, param_dtype=param_dtype,
-                               rngs=rngs)
+        self.router = flat_linear(d_model, num_experts, use_bias=router_bias,
+                                  param_dtype=param_dtype, rngs=rngs,
+                                  kernel_metadata=axes.metadata(None, None),
+                                  bias_metadata=axes.metadata(None))
+        self.experts = Experts(num_experts, d_model, d_ff, gated=gated, bias=expert_bias,
+                               param_dtype=param_dtype, rngs=rngs)
+        if swiglu_limit is not None:
+            activation = moe.ClampedSwiGLU(swiglu_limit, swiglu_alpha)
         # The settings of tfx.ops.moe.moe, as a tuple: module attributes that are not arrays
         # must be hashable (they are part of the nnx graph definition).
         self.options = tuple(dict(num_selected=experts_per_token, renormalize=renormalize,
@@ -129,6 +157,8 @@ class MoE(nnx.Module):
         options = dict(self.options)
         if self.selection_bias is not None:
             options["selection_bias"] = self.selection_bias[...]
+        if self.router.bias is not None:
+            options["router_bias"] = self.router.bias[...]
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and mesh.shape.get("expert", 1) > 1:
             # The exchange (fixed or ragged, by platform) decides how each device runs its experts.
@@ -146,3 +176,18 @@ class MoE(nnx.Module):
                 self.expert_load.set_value(moe.expert_load(routing, self.experts.up.shape[0]))
         out = out.reshape(x.shape)
         return out if self.shared is None else out + self.shared(x)
+
+
+def _check_expert_form(activation: str, gated: bool, shared_experts: int, expert_bias: bool,
+                       swiglu_limit: float | None) -> None:
+    """ValueError for an expert form the block cannot build: the clamped SwiGLU of experts that
+    are not gated "silu" MLPs, or GPT-OSS's expert parts beside shared experts (a plain MLP,
+    which has neither)."""
+    if swiglu_limit is not None and not (gated and activation == "silu"):
+        raise ValueError(f"swiglu_limit (the clamped SwiGLU) needs gated 'silu' experts, got "
+                         f"gated={gated}, activation={activation!r}")
+    extras = [name for name, on in (("expert_bias", expert_bias),
+                                    ("swiglu_limit", swiglu_limit is not None)) if on]
+    if shared_experts and extras:
+        raise ValueError(f"{' and '.join(extras)} apply to the routed experts only: "
+                         f"shared_experts={shared_experts} (a plain MLP) cannot have them")

@@ -19,6 +19,10 @@ Implementations (records in `PAGED_KERNELS`, chosen by `select_paged_attention`)
   (`jax.experimental.pallas.ops.gpu.paged_attention`, `...tpu.paged_attention`), for decoding
   steps (one query per sequence). Forced on CPU, "pallas_gpu" runs in the Pallas interpreter
   (slow; for tests); "pallas_tpu" needs a TPU.
+
+Attention sinks (GPT-OSS: a learned logit per head, a key of value zero in every softmax) are
+taken by "reference" and "blocked", whose online softmax starts from the sink; the Pallas
+kernels refuse them, and selection then skips them.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import numpy as np
 from tfx.ops import _checks
 from tfx.ops.attention.blocked_attention import soft_cap
 from tfx.ops.attention.dispatch import cached_attention
-from tfx.ops.attention.kernel import Kernel, dtype_in, on, x64_disabled
+from tfx.ops.attention.kernel import Kernel, dtype_in, on, without, x64_disabled
 from tfx.ops.backends import current_platform, platform_name
 
 __all__ = ["PAGED_IMPLEMENTATIONS", "PAGED_KERNELS", "PagedCase", "gather_pages", "paged_attention",
@@ -49,7 +53,8 @@ BLOCK_TOKENS = 128
 def paged_attention(query: jax.Array, key_pages: jax.Array, value_pages: jax.Array,
                     page_table: jax.Array, query_positions: jax.Array, *,
                     scale: float | None = None, softcap: float | None = None,
-                    implementation: str | None = None) -> jax.Array:
+                    implementation: str | None = None,
+                    sinks: jax.Array | None = None) -> jax.Array:
     """Causal attention of new queries over their sequences' paged keys and values.
 
     Args:
@@ -68,13 +73,16 @@ def paged_attention(query: jax.Array, key_pages: jax.Array, value_pages: jax.Arr
       implementation: one of PAGED_IMPLEMENTATIONS, or None for the platform's best
         (`select_paged_attention`). Forcing one that cannot run this call
         raises a ValueError naming what it lacks.
+      sinks: optional float [num_heads], a sink logit per head (GPT-OSS), as in
+        `tfx.ops.dot_product_attention`; "reference" and "blocked" take it.
     Returns:
       [batch, q_len, num_heads, value_dim] in the dtype of value_pages.
     """
-    _validate(query, key_pages, value_pages, page_table, query_positions, scale, softcap)
+    _validate(query, key_pages, value_pages, page_table, query_positions, scale, softcap, sinks)
     case = PagedCase(q_len=query.shape[1], pages_per_seq=page_table.shape[1],
                      page_size=key_pages.shape[2], head_dim=query.shape[3],
-                     value_dim=value_pages.shape[3], dtype=np.dtype(query.dtype))
+                     value_dim=value_pages.shape[3], dtype=np.dtype(query.dtype),
+                     has_sinks=sinks is not None)
     platform = current_platform()
     if implementation is None:
         implementation = select_paged_attention(platform, case)
@@ -90,10 +98,13 @@ def paged_attention(query: jax.Array, key_pages: jax.Array, value_pages: jax.Arr
     run = PAGED_KERNELS[implementation].run
     if implementation == "pallas_gpu":
         run = functools.partial(run, interpret=platform == "cpu")
+    if sinks is not None:  # only the kernels that take sinks get here with them
+        run = functools.partial(run, sinks=sinks)
     return run(query, key_pages, value_pages, pages, positions, scale, softcap)
 
 
-def _validate(query, key_pages, value_pages, page_table, query_positions, scale, softcap):
+def _validate(query, key_pages, value_pages, page_table, query_positions, scale, softcap,
+              sinks):
     _checks.floating("query", query, ndim=4, layout="[batch, q_len, num_heads, head_dim]")
     _checks.floating("key_pages", key_pages, ndim=4,
                      layout="[num_kv_heads, num_pages, page_size, head_dim]")
@@ -124,6 +135,11 @@ def _validate(query, key_pages, value_pages, page_table, query_positions, scale,
         _checks.finite_positive_float("scale", scale)
     if softcap is not None:
         _checks.finite_positive_float("softcap", softcap)
+    if sinks is not None:
+        _checks.floating("sinks", sinks, ndim=1, layout="[num_heads]")
+        if sinks.shape[0] != num_heads:
+            raise ValueError(f"sinks must be [num_heads] = ({num_heads},), got "
+                             f"{tuple(sinks.shape)}")
 
 
 def gather_pages(pool: jax.Array, page_table: jax.Array) -> jax.Array:
@@ -141,17 +157,19 @@ def gather_pages(pool: jax.Array, page_table: jax.Array) -> jax.Array:
     return gathered.reshape(batch, heads, pages_per_seq * page_size, dim)
 
 
-def _reference(query, key_pages, value_pages, pages, positions, scale, softcap):
+def _reference(query, key_pages, value_pages, pages, positions, scale, softcap, sinks=None):
     """Gather, then the dense cached-attention maths with a causal mask from positions."""
     kv_len = pages.shape[1] * key_pages.shape[2]
     mask = jnp.arange(kv_len)[None, None, None, :] <= positions[:, None, :, None]
     return cached_attention(query, gather_pages(key_pages, pages),
                             gather_pages(value_pages, pages), mask=mask, scale=scale,
-                            softcap=softcap)
+                            softcap=softcap, sinks=sinks)
 
 
-def _blocked(query, key_pages, value_pages, pages, positions, scale, softcap):
-    """A block of logical pages of every sequence per iteration, with an online softmax."""
+def _blocked(query, key_pages, value_pages, pages, positions, scale, softcap, sinks=None):
+    """A block of logical pages of every sequence per iteration, with an online softmax (which
+    starts from the sink, when there are sinks: its score is the first maximum, its weight
+    exp(0) = 1 the first total, its value zero)."""
     batch, q_len, num_heads, head_dim = query.shape
     num_kv_heads, _, page_size, value_dim = value_pages.shape
     groups = num_heads // num_kv_heads
@@ -186,9 +204,13 @@ def _blocked(query, key_pages, value_pages, pages, positions, scale, softcap):
         return out, new_max, total * correction + weights.sum(axis=-1)
 
     stats = (batch, num_kv_heads, groups, q_len)
+    if sinks is None:
+        row_max, total = jnp.full(stats, _MASKED_LOGIT), jnp.zeros(stats, jnp.float32)
+    else:
+        sinks = sinks.astype(jnp.float32).reshape(1, num_kv_heads, groups, 1)
+        row_max, total = jnp.broadcast_to(sinks, stats), jnp.ones(stats, jnp.float32)
     out, _, total = jax.lax.fori_loop(0, stop, step, (
-        jnp.zeros((*stats, value_dim), jnp.float32), jnp.full(stats, _MASKED_LOGIT),
-        jnp.zeros(stats, jnp.float32)))
+        jnp.zeros((*stats, value_dim), jnp.float32), row_max, total))
     out = out / jnp.where(total == 0.0, 1.0, total)[..., None]  # a row seeing nothing: zeros
     out = jnp.moveaxis(out, 3, 1).reshape(batch, q_len, num_heads, value_dim)
     return out.astype(value_pages.dtype)
@@ -225,7 +247,7 @@ def _pallas_tpu(query, key_pages, value_pages, pages, positions, scale, softcap)
 @dataclasses.dataclass(frozen=True)
 class PagedCase:
     """The static facts of one paged-attention call: query length, the page table's width,
-    page size, head and value dims and the dtype."""
+    page size, head and value dims, the dtype, and whether the heads have sinks."""
 
     q_len: int
     pages_per_seq: int
@@ -233,6 +255,7 @@ class PagedCase:
     head_dim: int
     value_dim: int
     dtype: np.dtype
+    has_sinks: bool = False
 
 
 def _one_query(platform, case):
@@ -262,9 +285,10 @@ def _paged_tpu_shapes(platform, case):
 PAGED_KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("pallas_gpu", _pallas_gpu, platforms=("gpu",),
            needs=(on("gpu", "cpu"), dtype_in("float16", "bfloat16", "float32"), _one_query,
-                  _paged_gpu_shapes, x64_disabled)),
+                  _paged_gpu_shapes, x64_disabled, without("has_sinks", "sinks"))),
     Kernel("pallas_tpu", _pallas_tpu, platforms=("tpu",),
-           needs=(on("tpu"), dtype_in("float32", "bfloat16"), _one_query, _paged_tpu_shapes)),
+           needs=(on("tpu"), dtype_in("float32", "bfloat16"), _one_query, _paged_tpu_shapes,
+                  without("has_sinks", "sinks"))),
     Kernel("blocked", _blocked),
     Kernel("reference", _reference, platforms=()),
 )}

@@ -13,6 +13,10 @@ Four implementations of one function, `experts_ffn`; None (the default) picks th
   expert on every row, so it is here for accelerators and for measuring.
 - "megablox": the same rows through the Pallas megablox `gmm` kernel (tfx.ops.moe.megablox):
   TPU only, or anywhere with `interpret=True` (slow, for tests); float32 or bfloat16.
+
+Every implementation runs one expert MLP (`_expert_mlp`), so each takes every expert form:
+an activation of tfx.ops.activations.ACTIVATIONS or GPT-OSS's `ClampedSwiGLU`, and the optional
+per-expert biases of `ExpertWeights` (added by the expert each row belongs to).
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from tfx.ops.moe import megablox
 from tfx.ops.moe.grouped_matmul import grouped_matmul
 from tfx.ops.moe.routing import Routing
 
-__all__ = ["IMPLEMENTATIONS", "ExpertWeights", "batched_experts", "check_weights", "combine_rows",
-           "experts_ffn", "gather_rows", "grouped_experts", "sorted_rows"]
+__all__ = ["IMPLEMENTATIONS", "ClampedSwiGLU", "ExpertWeights", "batched_experts",
+           "check_activation", "check_weights", "combine_rows", "experts_ffn", "gather_rows",
+           "grouped_experts", "sorted_rows"]
 
 IMPLEMENTATIONS = names.MOE_DISPATCHES
 
@@ -41,11 +46,36 @@ IMPLEMENTATIONS = names.MOE_DISPATCHES
 @dataclasses.dataclass(frozen=True)
 class ExpertWeights:
     """Stacked expert MLPs: down(act(gate(x)) * up(x)) when `gate` is given (SwiGLU with silu),
-    down(act(up(x))) otherwise. gate, up: [E, d_model, d_ff]; down: [E, d_ff, d_model]."""
+    down(act(up(x))) otherwise. gate, up: [E, d_model, d_ff]; down: [E, d_ff, d_model]; the
+    optional biases (GPT-OSS) gate_bias, up_bias: [E, d_ff] (gate_bias only with gate) and
+    down_bias: [E, d_model] are added to their projection's output."""
 
     gate: jax.Array | None
     up: jax.Array
     down: jax.Array
+    gate_bias: jax.Array | None = None
+    up_bias: jax.Array | None = None
+    down_bias: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's gated expert activation, the `activation` of gated experts: with g = min(gate,
+    limit) and u = clip(up, -limit, limit), hidden = (u + 1) · g · σ(alpha · g). The clamps keep
+    the product bounded (but for g's negative side, where g · σ(alpha · g) -> 0)."""
+
+    limit: float
+    alpha: float
+
+    def __post_init__(self):
+        _checks.finite_positive_float("ClampedSwiGLU.limit", self.limit)
+        _checks.finite_positive_float("ClampedSwiGLU.alpha", self.alpha)
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        """gate, up [..., d_ff] -> [..., d_ff]."""
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return (up + 1) * gate * jax.nn.sigmoid(self.alpha * gate)
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "implementation", "block_size",
@@ -58,8 +88,9 @@ def experts_ffn(x: jax.Array, routing: Routing, weights: ExpertWeights, *,
     Args:
       x: [tokens, d_model].
       routing: from `route` over the same tokens.
-      weights: the experts' matrices.
-      activation: a key of tfx.ops.activations.ACTIVATIONS.
+      weights: the experts' matrices (and biases).
+      activation: a key of tfx.ops.activations.ACTIVATIONS, or a `ClampedSwiGLU` (gated
+        experts).
       implementation: None (this platform's), "sorted", "onehot", "ragged" or "megablox"
         (module docstring).
       block_size: rows per block of "sorted", and the row tile of "megablox".
@@ -75,8 +106,11 @@ def experts_ffn(x: jax.Array, routing: Routing, weights: ExpertWeights, *,
         implementation = select_grouped_matmul(current_platform())
     _check(x, routing, weights, activation, implementation, interpret)
     _checks.positive_int("block_size", block_size)
-    if 0 in (*x.shape, weights.up.shape[2]):  # no token, feature or hidden unit: sums of nothing
-        return jnp.zeros_like(x)
+    if 0 in x.shape or (weights.up.shape[2] == 0 and weights.down_bias is None):
+        return jnp.zeros_like(x)  # no token, feature or hidden unit: sums of nothing
+    if weights.up.shape[2] == 0:  # no hidden unit: each kept expert gives its down bias
+        return combine_rows(weights.down_bias.astype(x.dtype), routing.expert_ids, routing,
+                            x.dtype)
     if implementation == "onehot":
         return _onehot(x, routing, weights, activation)
     if implementation == "sorted":
@@ -95,45 +129,70 @@ def _check(x, routing, weights, activation, implementation, interpret):
                          f"{implementation!r}")
     if implementation == "megablox":
         megablox.check_available(x.dtype, current_platform(), interpret)
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     if routing.expert_ids.shape[0] != x.shape[0]:
         raise ValueError(f"routing covers {routing.expert_ids.shape[0]} tokens but x has "
                          f"{x.shape[0]}")
     check_weights(weights, x.shape[1])
+    check_activation(activation, weights)
+
+
+def check_activation(activation, weights: ExpertWeights) -> None:
+    """ValueError unless `activation` is a key of ACTIVATIONS, or a `ClampedSwiGLU` of experts
+    with a gate."""
+    if isinstance(activation, ClampedSwiGLU):
+        if weights.gate is None:
+            raise ValueError("activation ClampedSwiGLU needs gated experts (weights.gate), got "
+                             "weights.gate None")
+    elif activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)} or a ClampedSwiGLU, "
+                         f"got {activation!r}")
 
 
 def check_weights(weights: ExpertWeights, d_model: int, num_experts: int | None = None) -> None:
-    """Require gate/up [E, d_model, d_ff] and down [E, d_ff, d_model] (E = num_experts when
-    given, else up's leading dim); ValueError naming the field otherwise."""
+    """Require gate/up [E, d_model, d_ff], down [E, d_ff, d_model] and the biases given
+    gate_bias/up_bias [E, d_ff], down_bias [E, d_model] (E = num_experts when given, else up's
+    leading dim); ValueError naming the field otherwise."""
     _checks.rank("weights.up", weights.up, 3, "[num_experts, d_model, d_ff]")
     experts = weights.up.shape[0] if num_experts is None else num_experts
     d_ff = weights.up.shape[2]
-    expected = {"up": (experts, d_model, d_ff), "down": (experts, d_ff, d_model)}
+    expected = {"up": (experts, d_model, d_ff), "down": (experts, d_ff, d_model),
+                "up_bias": (experts, d_ff), "down_bias": (experts, d_model)}
     if weights.gate is not None:
-        expected["gate"] = expected["up"]
+        expected |= {"gate": expected["up"], "gate_bias": expected["up_bias"]}
+    elif weights.gate_bias is not None:
+        raise ValueError("weights.gate_bias needs weights.gate (ungated experts have no gate)")
     for name, shape in expected.items():
-        if getattr(weights, name).shape != shape:
+        value = getattr(weights, name)
+        if value is not None and value.shape != shape:
             raise ValueError(f"weights.{name} must have shape {shape} (num_experts, d_model, "
-                             f"d_ff), got {tuple(getattr(weights, name).shape)}")
+                             f"d_ff), got {tuple(value.shape)}")
 
 
-def _expert_mlp(rows, weights: ExpertWeights, activation: str, matmul):
-    """down(act(gate) * up), or down(act(up)) without a gate, where each projection is
-    `matmul(inputs, stacked weight [E, in, out])`: the one place the expert MLP is written, for
-    every layout of the rows."""
-    def project(w):
-        return None if w is None else matmul(rows, w.astype(rows.dtype))
+def _expert_mlp(rows, weights: ExpertWeights, activation, matmul, per_row):
+    """down(act(gate) * up), or down(act(up)) without a gate (a `ClampedSwiGLU` combines gate
+    and up itself), where each projection is `matmul(inputs, stacked weight [E, in, out])` plus
+    `per_row(bias [E, out])`, the bias of each row's expert laid out as matmul's output: the
+    one place the expert MLP is written, for every layout of the rows."""
+    def project(inputs, w, bias):
+        if w is None:
+            return None
+        out = matmul(inputs, w.astype(rows.dtype))
+        return out if bias is None else out + per_row(bias.astype(out.dtype))
 
-    act, gate, up = ACTIVATIONS[activation], project(weights.gate), project(weights.up)
-    hidden = act(up) if gate is None else act(gate) * up
-    return matmul(hidden, weights.down.astype(rows.dtype))
+    gate = project(rows, weights.gate, weights.gate_bias)
+    up = project(rows, weights.up, weights.up_bias)
+    if isinstance(activation, ClampedSwiGLU):
+        hidden = activation(gate, up)
+    else:
+        act = ACTIVATIONS[activation]
+        hidden = act(up) if gate is None else act(gate) * up
+    return project(hidden, weights.down, weights.down_bias)
 
 
-def batched_experts(xe, weights: ExpertWeights, activation: str):
+def batched_experts(xe, weights: ExpertWeights, activation):
     """Every expert on its own rows: [E, rows, d_model] -> [E, rows, d_model]."""
-    return _expert_mlp(xe, weights, activation,
-                       lambda a, w: jnp.einsum("eci,eio->eco", a, w))
+    return _expert_mlp(xe, weights, activation, lambda a, w: jnp.einsum("eci,eio->eco", a, w),
+                       lambda bias: bias[:, None, :])
 
 
 def combine_rows(rows, destination, routing: Routing, dtype):
@@ -169,7 +228,7 @@ def gather_rows(x, destination, kept, num_rows: int):
     return jnp.take(padded, source, axis=0)
 
 
-def grouped_experts(rows, group_sizes, weights: ExpertWeights, activation: str,
+def grouped_experts(rows, group_sizes, weights: ExpertWeights, activation,
                     implementation: str, *, tile_rows: int = 128, interpret: bool = False):
     """Every expert on its own rows, the rows sorted by expert: [R, d_model] -> [R, d_model].
 
@@ -183,7 +242,15 @@ def grouped_experts(rows, group_sizes, weights: ExpertWeights, activation: str,
     else:
         def matmul(a, w):
             return jax.lax.ragged_dot(a, w, group_sizes)
-    return _expert_mlp(rows, weights, activation, matmul)
+
+    def per_row(bias):
+        # Row r belongs to the first group ending after it; rows past every group read a zero
+        # row, so that they stay zero (every activation maps 0 to 0).
+        expert = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows.shape[0]),
+                                  side="right")
+        return jnp.concatenate([bias, jnp.zeros_like(bias[:1])])[expert]
+
+    return _expert_mlp(rows, weights, activation, matmul, per_row)
 
 
 def sorted_rows(x, routing: Routing, experts: int, block: int, num_rows: int):
@@ -214,8 +281,11 @@ def block_layout(x, routing: Routing, experts: int, block: int):
 
 def _blocked(x, routing: Routing, weights, activation, block: int):
     rows, destination, block_expert, used = block_layout(x, routing, weights.up.shape[0], block)
+    # Padding rows and unused blocks get their block's expert's biases: combine never reads them.
     out = _expert_mlp(rows, weights, activation,
-                      lambda a, w: grouped_matmul(a, w, block_expert, used))
+                      lambda a, w: grouped_matmul(a, w, block_expert, used),
+                      lambda bias: jnp.repeat(bias[block_expert], rows.shape[0]
+                                              // block_expert.shape[0], axis=0))
     return combine_rows(out, destination, routing, x.dtype)
 
 

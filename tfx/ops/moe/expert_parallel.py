@@ -39,7 +39,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from tfx.ops import _checks
-from tfx.ops.activations import ACTIVATIONS
 from tfx.ops.backends import (
     current_platform,
     select_expert_all_to_all,
@@ -47,8 +46,10 @@ from tfx.ops.backends import (
     supports_ragged_all_to_all,
 )
 from tfx.ops.moe.dispatch import (
+    ClampedSwiGLU,
     ExpertWeights,
     batched_experts,
+    check_activation,
     check_weights,
     combine_rows,
     gather_rows,
@@ -78,13 +79,14 @@ def expert_parallel_moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertW
                         mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
                         expert_axis: str = "expert",
                         batch_axes: tuple[str, ...] = BATCH_AXES, num_selected: int,
-                        policy: str = "topk", capacity_factor: float | None = None,
+                        router_bias: jax.Array | None = None, policy: str = "topk",
+                        capacity_factor: float | None = None,
                         rng: jax.Array | None = None, jitter: float = 0.0,
                         priority: str = "position", token_mask: jax.Array | None = None,
                         selection_bias: jax.Array | None = None,
                         renormalize: bool | None = None, num_groups: int = 1,
                         groups_per_token: int = 1, routed_scale: float = 1.0,
-                        activation: str = "silu",
+                        activation: str | ClampedSwiGLU = "silu",
                         exchange: str | None = None) -> tuple[jax.Array, Routing]:
     """`tfx.ops.moe.moe` with the experts split over the mesh axis `expert_axis`.
 
@@ -94,11 +96,12 @@ def expert_parallel_moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertW
         as GShard splits the batch over the expert devices too). tokens must be divisible by
         the number of shards; each shard's tokens are a *group*.
       router_kernel: [d_model, E], replicated.
-      weights: ExpertWeights with leading dim E split over `expert_axis`; E must be divisible
-        by its size.
+      weights: ExpertWeights (biases included) with leading dim E split over `expert_axis`; E
+        must be divisible by its size.
       mesh: a Mesh or AbstractMesh (inside `jax.set_mesh`, `jax.sharding.get_abstract_mesh()`).
         Axes other than the batch and expert axes (e.g. "tensor") compute redundantly.
       num_selected: as in `route`.
+      router_bias: [E] or None, as in `tfx.ops.moe.moe`; replicated.
       policy: as in `route`.
       capacity_factor: as in `route`, applied to each group's own tokens, so the capacity is
         ceil(cf · group tokens · k / E) per group.
@@ -112,7 +115,7 @@ def expert_parallel_moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertW
       routed_scale: as in `route`.
       token_mask: [tokens] bool, split like x; as in `route`.
       rng: folded with the group's index, so that the groups draw different noise.
-      activation: a key of tfx.ops.activations.ACTIVATIONS.
+      activation: as in `experts_ffn`.
       exchange: None (the platform's: "ragged" on GPU and TPU, else "fixed"), "fixed" or
         "ragged" (module docstring); "ragged" raises ValueError where XLA lacks
         `ragged_all_to_all`. Both give the same result.
@@ -124,8 +127,8 @@ def expert_parallel_moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertW
     platform = current_platform()
     if exchange is None:
         exchange = select_expert_all_to_all(platform)
-    token_axes = _check(x, router_kernel, weights, mesh, expert_axis, batch_axes, activation,
-                        token_mask, exchange, platform)
+    token_axes = _check(x, router_kernel, router_bias, weights, mesh, expert_axis, batch_axes,
+                        activation, token_mask, exchange, platform)
     run = (functools.partial(_exchange_ragged, matmul=_local_matmul(platform))
            if exchange == "ragged" else _exchange_fixed)
     tokens = PartitionSpec(token_axes[0] if len(token_axes) == 1 else token_axes)
@@ -136,11 +139,12 @@ def expert_parallel_moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertW
                             capacity=expert_capacity(group_tokens, router_kernel.shape[1],
                                                      num_selected, capacity_factor))
 
-    def local(x, router_kernel, weights, rng, token_mask, selection_bias):
+    def local(x, router_kernel, router_bias, weights, rng, token_mask, selection_bias):
         group = 0
         for axis in token_axes:  # row-major over the axes, as the PartitionSpec lays them out
             group = group * mesh.shape[axis] + jax.lax.axis_index(axis)
-        routing = route(router_logits(x, router_kernel), num_selected=num_selected, policy=policy,
+        routing = route(router_logits(x, router_kernel, router_bias), num_selected=num_selected,
+                        policy=policy,
                         capacity_factor=capacity_factor,
                         rng=None if rng is None else jax.random.fold_in(rng, group),
                         jitter=jitter, priority=priority, token_mask=token_mask,
@@ -154,14 +158,15 @@ def expert_parallel_moe(x: jax.Array, router_kernel: jax.Array, weights: ExpertW
 
     out, routing = jax.shard_map(
         local, mesh=mesh,
-        in_specs=(tokens, PartitionSpec(), experts, PartitionSpec(), tokens, PartitionSpec()),
-        out_specs=(tokens, routing_specs))(x, router_kernel, weights, rng, token_mask,
-                                           selection_bias)
+        in_specs=(tokens, PartitionSpec(), PartitionSpec(), experts, PartitionSpec(), tokens,
+                  PartitionSpec()),
+        out_specs=(tokens, routing_specs))(x, router_kernel, router_bias, weights, rng,
+                                           token_mask, selection_bias)
     return out, routing
 
 
 def _exchange_fixed(x, routing: Routing, weights: ExpertWeights, devices: int,
-                    expert_axis: str, activation: str):
+                    expert_axis: str, activation):
     """One group's half of the fixed exchange: x [T, d] -> out [T, d] with the local experts'
     weights [E_local, ...] and `devices` devices on the expert axis."""
     tokens, d_model = x.shape
@@ -228,7 +233,7 @@ def _local_matmul(platform: str) -> str:
 
 
 def _exchange_ragged(x, routing: Routing, weights: ExpertWeights, devices: int,
-                     expert_axis: str, activation: str, *, matmul: str):
+                     expert_axis: str, activation, *, matmul: str):
     """One group's half of the ragged exchange (same contract as `_exchange_fixed`)."""
     tokens, d_model = x.shape
     assignments = routing.expert_ids.size
@@ -255,16 +260,15 @@ def _exchange_ragged(x, routing: Routing, weights: ExpertWeights, devices: int,
     return combine_rows(back, destination, routing, x.dtype)
 
 
-def _check(x, router_kernel, weights: ExpertWeights, mesh, expert_axis, batch_axes, activation,
-           token_mask, exchange, platform) -> tuple[str, ...]:
+def _check(x, router_kernel, router_bias, weights: ExpertWeights, mesh, expert_axis,
+           batch_axes, activation, token_mask, exchange, platform) -> tuple[str, ...]:
     """Validate the arguments; returns the mesh axes that split the tokens."""
     _checks.floating("x", x, ndim=2, layout="[tokens, d_model]")
     num_tokens, d_model = x.shape
-    check_router_kernel(router_kernel, d_model)
+    check_router_kernel(router_kernel, d_model, router_bias)
     num_experts = router_kernel.shape[1]
     check_weights(weights, d_model, num_experts)
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    check_activation(activation, weights)
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange must be None or one of {EXCHANGES}, got {exchange!r}")
     if exchange == "ragged" and not supports_ragged_all_to_all(platform):

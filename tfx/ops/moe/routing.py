@@ -93,19 +93,28 @@ class Routing:
     capacity: int | None = None
 
 
-def router_logits(x: jax.Array, router_kernel: jax.Array) -> jax.Array:
-    """float32 [tokens, E] = x [tokens, d_model] @ router_kernel [d_model, E], in float32 as
-    Switch recommends (the softmax over experts is sensitive to rounding)."""
-    check_router_kernel(router_kernel, x.shape[-1])
-    return jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32))
+def router_logits(x: jax.Array, router_kernel: jax.Array,
+                  router_bias: jax.Array | None = None) -> jax.Array:
+    """float32 [tokens, E] = x [tokens, d_model] @ router_kernel [d_model, E] (+ router_bias
+    [E], GPT-OSS's), in float32 as Switch recommends (the softmax over experts is sensitive to
+    rounding)."""
+    check_router_kernel(router_kernel, x.shape[-1], router_bias)
+    logits = jnp.dot(x.astype(jnp.float32), router_kernel.astype(jnp.float32))
+    return logits if router_bias is None else logits + router_bias.astype(jnp.float32)
 
 
-def check_router_kernel(router_kernel, d_model: int) -> None:
-    """Require a floating [d_model, num_experts] router kernel."""
+def check_router_kernel(router_kernel, d_model: int, router_bias=None) -> None:
+    """Require a floating [d_model, num_experts] router kernel, and a floating [num_experts]
+    router bias when one is given."""
     _checks.floating("router_kernel", router_kernel, ndim=2, layout="[d_model, num_experts]")
     if router_kernel.shape[0] != d_model:
         raise ValueError(f"router_kernel must be [d_model={d_model}, num_experts], got shape "
                          f"{tuple(router_kernel.shape)}")
+    if router_bias is not None:
+        _checks.floating("router_bias", router_bias, ndim=1, layout="[num_experts]")
+        if router_bias.shape != router_kernel.shape[1:]:
+            raise ValueError(f"router_bias must be [num_experts] = ({router_kernel.shape[1]},), "
+                             f"got shape {tuple(router_bias.shape)}")
 
 
 def expert_capacity(num_tokens: int, num_experts: int, num_selected: int,
