@@ -5,10 +5,13 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pathlib
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import chex
@@ -18,8 +21,10 @@ from train_cases import CORPUS, write_corpus
 
 from tfx.cli import main
 from tfx.train.config import experiment_from_dict
+from tfx.train.data import split_texts
 from tfx.train.lock import WorkdirLock
 from tfx.train.loop import Trainer
+from tfx.train.run import load_run
 
 TINY = ["--no-progress", "--model.num_layers=1", "--model.d_model=32", "--model.num_heads=2",
         "--model.attention.num_kv_heads=1", "--model.d_ff=64", "--train.seq_len=32",
@@ -59,11 +64,16 @@ def test_sample_and_eval(trained, capsys):
     assert metrics["step"] == 4 and metrics["loss"] > 0
 
 
-def test_rerunning_a_finished_run_changes_nothing(trained):
+def test_rerunning_a_finished_run_changes_nothing(trained, capsys):
     workdir, _, args, _ = trained
     before = (workdir / "metrics.jsonl").read_text()
+    capsys.readouterr()
     assert main(args) == 0
     assert (workdir / "metrics.jsonl").read_text() == before
+    # The closing sample continues the first line of the validation text, not a fixed "def ".
+    _, validation = split_texts([("corpus.txt", CORPUS)])
+    opening = validation[0][1].splitlines(keepends=True)[0]
+    assert f"sample after 4 steps for {opening!r}:\n{opening}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args,message", [
@@ -143,6 +153,122 @@ def test_sigterm_saves_and_the_same_command_finishes_the_run(tmp_path):
         final.append(trainer.state.params)
         trainer.close()
     chex.assert_trees_all_equal(*final)
+
+
+# `tfx train` whose closing sample gets a SIGINT inside a finalizer, as XLA's gc callback got
+# one: Python's KeyboardInterrupt was swallowed there ("Exception ignored in"), and the command
+# went on to sample and exit 0.
+SIGNAL_IN_A_CALLBACK = """
+import os, signal, sys
+import tfx.train.run
+from tfx.cli import command
+
+class Tripwire:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+
+load = tfx.train.run.load_run
+
+def loading(*args, **kwargs):
+    Tripwire()
+    return load(*args, **kwargs)
+
+tfx.train.run.load_run = loading
+sys.argv[0] = "tfx"
+sys.exit(command())
+"""
+
+
+class _Interrupted:
+    """A `tfx train` subprocess sent a signal at each marker of `plan` in turn: (text its stdout
+    shows, or a file that appears; the signal), so that it lands in a chosen phase. `code`:
+    Python that runs the command instead of `python -m tfx`."""
+
+    def __init__(self, args: list[str], plan: list[tuple[str | pathlib.Path, int]],
+                 code: str | None = None):
+        self.plan = list(plan)
+        # Unbuffered: a marker line must reach the test as it is printed.
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+        start = ["-m", "tfx"] if code is None else ["-c", code]
+        self.process = subprocess.Popen([sys.executable, *start, "train", *args], env=env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+        self.out, self.err = [], []
+        self.readers = [threading.Thread(target=_collect, args=pair, daemon=True) for pair in
+                        ((self.process.stdout, self.out), (self.process.stderr, self.err))]
+        for reader in self.readers:
+            reader.start()
+
+    def poke(self) -> bool:
+        """Send the next signal if its marker is there; whether the process still runs."""
+        if self.plan and self.process.poll() is None:
+            marker, number = self.plan[0]
+            if (marker.exists() if isinstance(marker, pathlib.Path) else
+                    any(marker in line for line in list(self.out))):
+                self.process.send_signal(number)
+                self.plan.pop(0)
+        return self.process.poll() is None
+
+    def finish(self) -> tuple[int, str, str]:
+        """(exit status, stdout, stderr) once the process and its readers are done."""
+        self.process.wait()
+        for reader in self.readers:
+            reader.join()
+        return self.process.returncode, "".join(self.out), "".join(self.err)
+
+
+def _collect(stream, lines: list[str]) -> None:
+    for line in stream:
+        lines.append(line)
+
+
+def _newest_step_restores(workdir: pathlib.Path) -> int | None:
+    """The newest committed step of the run in `workdir`, restored and verified (None: none)."""
+    steps = [int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit()]
+    if not steps:
+        return None
+    assert load_run(workdir).step == max(steps)  # its checksums verified, no fallback
+    return max(steps)
+
+
+def test_a_signal_at_any_moment_ends_train_with_one_line_and_the_newest_checkpoint_good(
+        trained, tmp_path):
+    workdir, corpus, args, _ = trained
+    shutil.copytree(workdir, tmp_path / "finished")  # re-run: restore, plot, closing sample
+    long = ["--steps", "10000", "--checkpoint-every", "1", "--log-every", "1", "--data",
+            str(corpus), *TINY]
+    at_once = ("stopped at once by SIGINT; the same command resumes from the newest saved "
+               "checkpoint")
+    saved = r"interrupted at step \d+ by {}; run the same command to resume"
+    cases = {  # workdir: (options, plan, its code, the one line it ends with)
+        # While it builds the model or restores (the lock is taken in between).
+        "start": (long, [(tmp_path / "start" / ".lock", signal.SIGINT)], None,
+                  f"{at_once}|{saved.format('SIGINT')}"),
+        "training": (long, [("step 2:", signal.SIGTERM)], None, saved.format("SIGTERM")),
+        # A second signal while the first one's save is written (or soon after).
+        "saving": (long, [("step 2:", signal.SIGINT), ("SIGINT: saving step", signal.SIGINT)],
+                   None, f"{at_once}|{saved.format('SIGINT')}"),
+        "finished": (args[3:], [], SIGNAL_IN_A_CALLBACK,  # args: train --workdir W ...
+                     re.escape(f"interrupted by SIGINT after the last step (4, saved); `tfx "
+                               f"sample --workdir {tmp_path / 'finished'}` samples the run")),
+    }
+    runs = {name: _Interrupted(["--workdir", str(tmp_path / name), *options], plan, code)
+            for name, (options, plan, code, _) in cases.items()}
+    deadline = time.monotonic() + 600
+    while [run.poke() for run in runs.values()] != [False] * len(runs):
+        assert time.monotonic() < deadline, {name: run.out[-3:] for name, run in runs.items()}
+        time.sleep(0.01)
+    for name, run in runs.items():
+        status, out, err = run.finish()
+        number = signal.SIGTERM if name == "training" else signal.SIGINT
+        assert (status, run.plan) == (128 + number, []), (name, err)
+        for crash in ("Traceback", "Segmentation fault", "Exception ignored"):
+            assert crash not in out + err, (name, err)
+        assert re.fullmatch(f"tfx train: ({cases[name][3]})\n", err), (name, err)
+        newest = _newest_step_restores(tmp_path / name)
+        if name == "training":  # it saved the step it stopped at
+            assert newest == int(err.split("at step ")[1].split()[0]) >= 2
+        assert newest is not None or name == "start"
 
 
 def test_embed_matches_the_sentence_encoder(tmp_path, capsys):

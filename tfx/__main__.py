@@ -1,7 +1,5 @@
 """`python -m tfx` runs the `tfx` command."""
 
-import sys
-
 from tfx.cli import command
 
-sys.exit(command())
+command()  # exits with the command's status

@@ -24,6 +24,7 @@ ARCHITECTURES = {
     "gpt2-small": "GPT2LMHeadModel", "gpt2-medium": "GPT2LMHeadModel",
     "llama-tiny": "LlamaForCausalLM", "char-gpt": "LlamaForCausalLM",
     "char-moe": "MixtralForCausalLM", "bert-base": "BertModel", "minilm-l6": "BertModel",
+    "modernbert-base": "ModernBertForMaskedLM", "modernbert-large": "ModernBertForMaskedLM",
     "t5-small": "T5ForConditionalGeneration"}
 # What a save and load change in a size beyond its dropout (off: a load is for inference), in
 # fields that do not change the model: T5's config.json names a padding token (0) where the
@@ -47,6 +48,13 @@ PUBLIC = {
         sliding_window=4096, max_position_embeddings=8192, rms_norm_eps=1e-6,
         final_logit_softcapping=30.0, attn_logit_softcapping=50.0, rope_theta=10000.0,
         pad_token_id=0)),
+    "modernbert-base": ("ModernBertForMaskedLM", dict(
+        vocab_size=50368, hidden_size=768, intermediate_size=1152, num_hidden_layers=22,
+        num_attention_heads=12, hidden_activation="gelu", max_position_embeddings=8192,
+        norm_eps=1e-5, norm_bias=False, global_attn_every_n_layers=3, local_attention=128,
+        global_rope_theta=160000.0, local_rope_theta=10000.0, attention_bias=False,
+        mlp_bias=False, classifier_bias=False, decoder_bias=True, pad_token_id=50283,
+        cls_token_id=50281, sep_token_id=50282, bos_token_id=50281, eos_token_id=50282)),
 }
 
 
@@ -75,7 +83,8 @@ def test_a_public_config_json_reads_as_its_named_size(name):
 
 
 @pytest.mark.parametrize("module", ["bert", "deepseek", "gemma", "gpt2", "gpt_neox", "gpt_oss",
-                                    "llama", "mixtral", "olmo2", "olmo3", "phi3", "qwen", "t5"])
+                                    "llama", "mixtral", "modernbert", "olmo2", "olmo3", "phi3",
+                                    "qwen", "smollm3", "t5"])
 def test_a_default_config_json_reads_as_a_model_of_the_card(module):
     family = importlib.import_module(f"tfx.hf.{module}")
     for architecture in family.ARCHITECTURES:

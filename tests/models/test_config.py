@@ -83,7 +83,9 @@ def test_t5_settings_are_validated_and_decoder_only_attention_is_refused():
     with pytest.raises(ValueError, match=r"t5\.num_buckets must be >= 1"):
         EncoderDecoderConfig(**TINY, position="t5", t5={"num_buckets": 0})
     with pytest.raises(ValueError, match=r"attention\.sliding_window is for causal decoders"):
-        EncoderConfig(**TINY, attention={"sliding_window": 4})
+        EncoderDecoderConfig(**TINY, attention={"sliding_window": 4})
+    with pytest.raises(ValueError, match=r"attention\.pattern is for causal decoders"):
+        EncoderConfig(**TINY, attention={"pattern": "window:4"})
     with pytest.raises(ValueError, match=r"special_tokens\.cls_id must be >= 0"):
         EncoderConfig(**TINY, special_tokens={"cls_id": -1})
 

@@ -20,7 +20,8 @@ PUBLISHED = {"llama2-7b": 6.74e9, "mistral-7b": 7.24e9, "mixtral-8x7b": 46.7e9,
              "phi3-mini-4k": 3.82e9,
              "gemma2-2b": 2.61e9, "gemma3-1b": 1.0e9, "pythia-160m": 0.162e9,
              "gpt2-small": 0.124e9, "gpt2-medium": 0.355e9, "bert-base": 0.110e9,
-             "minilm-l6": 22.7e6, "t5-small": 60.5e6,
+             "minilm-l6": 22.7e6, "modernbert-base": 149e6, "modernbert-large": 395e6,
+             "t5-small": 60.5e6,
              "gpt-oss-20b": 20.91e9, "gpt-oss-120b": 116.83e9}
 # tfx's own sizes, which no checkpoint publishes.
 OWN = {"llama-tiny", "char-gpt", "char-moe", "transformer-base"}

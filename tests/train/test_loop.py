@@ -7,13 +7,19 @@ import dataclasses
 import json
 import shutil
 import signal
+import warnings
+from types import SimpleNamespace
 
 import chex
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 from train_cases import tiny, write_corpus
 
+from tfx.train import loop
 from tfx.train.feed import TextFeed
+from tfx.train.flops import nominal_peak_flops
 from tfx.train.loop import Trainer, train
 from tfx.train.metrics import MetricsWriter, read_metrics
 
@@ -43,7 +49,9 @@ def test_a_run_writes_metrics_tensorboard_checkpoints_and_a_plot(tmp_path, corpu
     assert [r["step"] for r in records if r["split"] == "train"] == [2, 4, 6]
     assert [r["step"] for r in records if r["split"] == "val"] == [3, 6]
     assert all(np.isfinite(r["loss"]) for r in records)
-    assert {"loss", "grad_norm", "accuracy", "tokens_per_s", "mfu"} <= records[0].keys()
+    # MFU against the measured matmul peak; against a nominal peak only where one is known.
+    assert {"loss", "grad_norm", "accuracy", "tokens_per_s", "mfu_measured"} <= records[0].keys()
+    assert ("mfu" in records[0]) == (nominal_peak_flops(jax.devices()[0].device_kind) is not None)
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert (tmp_path / "loss.png").stat().st_size > 1000
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()
@@ -104,7 +112,7 @@ def test_more_steps_on_a_finished_run_are_refused_with_how_to_continue(tmp_path,
 
 
 @pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_saves_stops_and_names_itself(tmp_path, corpus, monkeypatch, number):
+def test_a_signal_saves_stops_and_names_itself(tmp_path, corpus, monkeypatch, capsys, number):
     experiment = tiny("gpt_char", corpus)
     batch = TextFeed.train
 
@@ -117,8 +125,41 @@ def test_a_signal_saves_stops_and_names_itself(tmp_path, corpus, monkeypatch, nu
     result = train(experiment, tmp_path, progress=False)
     assert (result.step, result.signal, result.interrupted) == (2, number, True)
     assert (tmp_path / "checkpoints" / "2").is_dir()
+    name = signal.Signals(number).name
+    assert f"{name}: saving step 2, then stopping" in capsys.readouterr().out  # said at once
     monkeypatch.undo()
     assert train(experiment, tmp_path, progress=False).signal is None
+
+
+def test_a_signal_before_the_first_step_stops_without_a_step_or_a_save(tmp_path, corpus,
+                                                                        monkeypatch):
+    restore = Trainer.restore
+
+    def signalled(trainer, **kwargs):  # the signal arrives while the run restores
+        signal.raise_signal(signal.SIGINT)
+        return restore(trainer, **kwargs)
+
+    monkeypatch.setattr(Trainer, "restore", signalled)
+    monkeypatch.setattr(Trainer, "train_batch", lambda *_: pytest.fail("a step was run"))
+    with warnings.catch_warnings():  # the plot without a curve once warned of its legend
+        warnings.simplefilter("error", UserWarning)
+        result = train(tiny("gpt_char", corpus), tmp_path, progress=False)
+    assert (result.step, result.signal) == (0, signal.SIGINT)
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
+
+
+def test_mfu_counts_every_device_and_says_which_peak(corpus, monkeypatch):
+    monkeypatch.setattr(loop, "matmul_peak_flops", lambda: 1e9)
+    monkeypatch.setattr(loop.jax, "device_count", lambda: 4)  # the step runs on all four
+    trainer = SimpleNamespace(experiment=tiny("gpt_char", corpus), feed=SimpleNamespace(
+        tokens_per_batch=128), state=SimpleNamespace(params=nnx.State({}),
+                                                     frozen=nnx.State({})))
+    clock = loop._Clock(trainer)
+    assert clock.peaks["mfu_measured"] == 4e9
+    metrics = {"loss": 1.5, "tokens_per_s": 100.0, "mfu_measured": 0.41}
+    assert clock.describe(metrics) == "loss=1.500, tok/s=100, MFU 41% of measured peak"
+    assert clock.describe({**metrics, "mfu": 0.2}).endswith(
+        "MFU 20% of bf16 peak (41% of measured peak)")
 
 
 def test_an_unreadable_data_path_fails_before_anything_is_written(tmp_path):

@@ -25,18 +25,30 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
+from typing import NoReturn
 
 __all__ = ["command", "main"]
 
 
-def command() -> int:
+def command() -> NoReturn:
     """The `tfx` console script and `python -m tfx`: keep freed host memory for reuse
-    (`tfx.train.host_memory`, which must run before JAX starts), then run `main()`. Tests call
-    `main` directly and leave their own process's allocator as it is."""
+    (`tfx.train.host_memory`, which must run before JAX starts), run `main()`, and exit with its
+    status without the interpreter's teardown. Tests call `main` directly and leave their own
+    process's allocator as it is."""
+    import logging
+    import os
+
     from tfx.train.host_memory import keep_freed_memory
 
     keep_freed_memory()
-    return main()
+    status = main()
+    # With jax loaded the teardown takes a second or two, in which a Ctrl-C printed a
+    # KeyboardInterrupt traceback from jax's atexit callback or killed the process without a
+    # line. Every command has closed its files, checkpoints and threads by now.
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    logging.shutdown()
+    os._exit(status)
 
 
 def main(argv: list[str] | None = None) -> int:

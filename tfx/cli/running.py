@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from tfx.train.config import non_empty_path
@@ -14,30 +15,51 @@ __all__ = ["evaluate", "experiments", "export", "sample", "tokenize", "train"]
 
 
 def train(command) -> int:
-    """Train (or resume); print where the artifacts are, then a sample of a causal LM. Exit
-    status 128 + the signal's number when a signal stopped the run (it saved first)."""
-    from tfx import parallel
-    from tfx.train.loop import train as train_loop
+    """Train (or resume); print where the artifacts are, then a sample of a causal LM.
 
+    A SIGINT or SIGTERM ends the command with one line on stderr and exit status 128 + the
+    signal's number: while the loop trains (from its restore to its last save's commit) the
+    first one saves the step and stops it (tfx.train.loop) and a second one stops at once;
+    before and after, where there is nothing to save, the first one stops at once."""
     workdir = _workdir(command.workdir)
     experiment = command.configured()
-    # Multi-process runs (flags or TFX_* environment variables); one process: nothing.
-    parallel.initialize(command.coordinator_address, command.num_processes, command.process_id)
-    result = train_loop(experiment, workdir, progress=not command.no_progress)
-    print(_artifacts(result.artifacts))
-    if result.signal is not None:
-        print(f"interrupted at step {result.step} by {signal.Signals(result.signal).name}; "
-              f"run the same command to resume", file=sys.stderr)
-        return 128 + result.signal
-    if _samples(experiment):
-        from tfx.train.sampling import closing_prompt
+    with _exits_at_once(lambda name: f"tfx train: stopped at once by {name}; the same command "
+                        "resumes from the newest saved checkpoint") as at_once:
+        from tfx import parallel
+        from tfx.train.loop import train as train_loop
 
-        prompt, chat = closing_prompt(experiment)
-        text = _generate(workdir, prompt=prompt, max_new_tokens=200, temperature=0.8,
-                         chat=chat)
-        print(f"sample after {result.step} steps{f' for {prompt!r}' if chat else ''}:\n"
-              f"{text[0]}")
+        # Multi-process runs (flags or TFX_* environment variables); one process: nothing.
+        parallel.initialize(command.coordinator_address, command.num_processes,
+                            command.process_id)
+        result = train_loop(experiment, workdir, progress=not command.no_progress)
+        at_once.line = lambda name: _interrupted(name, result.step, experiment, workdir)
+        print(_artifacts(result.artifacts))
+        if result.signal is not None:
+            print(_interrupted(signal.Signals(result.signal).name, result.step, experiment,
+                               workdir), file=sys.stderr)
+            return 128 + result.signal
+        if _samples(experiment):
+            _closing_sample(experiment, workdir, result.step)
     return 0
+
+
+def _interrupted(name: str, step: int, experiment, workdir: Path) -> str:
+    """The line `tfx train` ends with when the signal `name` stopped it at `step` (saved)."""
+    if step < experiment.train.steps:
+        return f"tfx train: interrupted at step {step} by {name}; run the same command to resume"
+    return (f"tfx train: interrupted by {name} after the last step ({step}, saved); `tfx sample "
+            f"--workdir {workdir}` samples the run")
+
+
+def _closing_sample(experiment, workdir: Path, step: int) -> None:
+    """Print a continuation of the run's closing prompt (tfx.train.sampling.closing_prompt),
+    read with the tokenizer the run trained with (a Hugging Face base's: `adopt_base`)."""
+    from tfx.train.pretrained import adopt_base
+    from tfx.train.sampling import closing_prompt
+
+    prompt, chat = closing_prompt(adopt_base(experiment))
+    text = _generate(workdir, prompt=prompt, max_new_tokens=200, temperature=0.8, chat=chat)
+    print(f"sample after {step} steps for {prompt!r}:\n{text[0]}")
 
 
 def _workdir(text: str) -> Path:
@@ -61,16 +83,29 @@ def _samples(experiment) -> bool:
 
 def sample(command) -> int:
     """Print `num_samples` continuations of the prompt."""
-    texts = _generate(_workdir(command.workdir), prompt=command.prompt,
-                      max_new_tokens=command.max_new_tokens, temperature=command.temperature,
-                      top_k=command.top_k, top_p=command.top_p,
-                      num_samples=command.num_samples, seed=command.seed,
-                      max_len=command.max_len, chat=command.chat)
+    with _exits_at_once(lambda name: f"tfx sample: interrupted by {name}"):
+        texts = _generate(_workdir(command.workdir), prompt=command.prompt,
+                          max_new_tokens=command.max_new_tokens,
+                          temperature=command.temperature,
+                          top_k=command.top_k, top_p=command.top_p,
+                          num_samples=command.num_samples, seed=command.seed,
+                          max_len=command.max_len, chat=command.chat)
     for i, text in enumerate(texts):
         if len(texts) > 1:
             print(f"--- sample {i}")
         print(text)
     return 0
+
+
+def _exits_at_once(line: Callable[[str], str]):
+    """A block in which SIGINT or SIGTERM ends the command at once: `line(name of the signal)`
+    on stderr and exit status 128 + the signal's number (tfx.train.signals.ExitAtOnce, whose
+    `line` the block may change). Where nothing is left half done: a KeyboardInterrupt inside
+    orbax's restore or XLA's compilation printed tracebacks or crashed the interpreter's
+    teardown."""
+    from tfx.train.signals import ExitAtOnce, handling
+
+    return handling(ExitAtOnce(line))
 
 
 def _generate(workdir: Path, *, prompt: str, max_new_tokens: int, temperature: float,
@@ -109,7 +144,12 @@ def evaluate(command) -> int:
     perplexity (--data), or lm-evaluation-harness results (--tasks)."""
     if command.data is not None and command.tasks:
         raise ValueError("--data and --tasks are two evaluations: give one of them")
-    path = _workdir(command.workdir)
+    with _exits_at_once(lambda name: f"tfx eval: interrupted by {name}"):
+        return _evaluate(command, _workdir(command.workdir))
+
+
+def _evaluate(command, path: Path) -> int:
+    """`evaluate` of the run or Hugging Face folder at `path`."""
     if command.tasks:
         from tfx.evaluation import evaluate as harness
 

@@ -2,12 +2,12 @@
 tfx model, `save` a tfx model as a folder that transformers loads.
 
 Supported architectures (config.json "architectures"; `SUPPORTED` lists them): BertModel,
-BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM,
-Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
-Phi3ForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, GPTNeoXForCausalLM, DeepseekV3ForCausalLM,
-GptOssForCausalLM, T5ForConditionalGeneration (one module each, found by `tfx.hf.families`).
-The returned module's call mirrors the Hugging Face class, with the same keyword names, and
-returns float32 arrays.
+BertForMaskedLM, ModernBertModel, ModernBertForMaskedLM, GPT2LMHeadModel, SmolLM3ForCausalLM,
+LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+Qwen3MoeForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, Olmo2ForCausalLM,
+Olmo3ForCausalLM, GPTNeoXForCausalLM, DeepseekV3ForCausalLM, GptOssForCausalLM,
+T5ForConditionalGeneration (one module each, found by `tfx.hf.families`). The returned module's call
+mirrors the Hugging Face class, with the same keyword names, and returns float32 arrays.
 
 Loading is strict: a checkpoint must hold exactly the tensors the config's model has (up to
 the buffers transformers ignores too and tied copies checked equal), in float16 / bfloat16 /

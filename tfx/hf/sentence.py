@@ -1,8 +1,9 @@
 """Sentence embeddings from a sentence-transformers folder, computed as sentence-transformers does.
 
 A folder such as all-MiniLM-L6-v2 holds `modules.json` naming a pipeline of modules: a
-Transformer (a BERT checkpoint, its `tokenizer.json` and `sentence_bert_config.json`), a Pooling
-module (`1_Pooling/config.json`) and optionally Normalize. `SentenceEncoder` reads it and computes
+Transformer (a BERT or ModernBERT checkpoint, its `tokenizer.json` and
+`sentence_bert_config.json`), a Pooling module (`1_Pooling/config.json`) and optionally
+Normalize. `SentenceEncoder` reads it and computes
 
     tokens = tokenizer(texts, truncation to max_seq_length, padding)
     hidden = bert(tokens)                                  [n, seq, hidden]
@@ -86,7 +87,8 @@ def _embed(graphdef, state, input_ids, attention_mask, token_type_ids, *, modes,
 
 
 class SentenceEncoder:
-    """A BERT Encoder, its tokenizer and the pooling of a sentence-transformers folder.
+    """A BERT or ModernBERT Encoder, its tokenizer and the pooling of a sentence-transformers
+    folder.
 
     Build it with `SentenceEncoder.from_folder(path)`; `embed(texts)` gives float32 [n, dim].
 
@@ -114,6 +116,8 @@ class SentenceEncoder:
         self.modes, self.normalized, self.lowercase = tuple(modes), normalized, lowercase
         self.max_seq_length = max_seq_length
         self.dim = model.config.d_model * len(self.modes)
+        # ModernBERT has no token types (type_vocab_size 0): the tokenizer's are not passed.
+        self._token_types = bool(model.config.type_vocab_size)
         self._graphdef, self._state = nnx.split(model)
         self.tokenizer = tokenizer
         padding = tokenizer.padding or {}
@@ -189,9 +193,10 @@ class SentenceEncoder:
         tokens = self.tokenize(texts)
         if not texts:
             return jnp.zeros((0, self.dim), jnp.float32)
-        batches = [_embed(self._graphdef, self._state,
-                          *(tokens[k][i:i + batch_size] for k in ("input_ids", "attention_mask",
-                                                                  "token_type_ids")),
+        types = tokens["token_type_ids"] if self._token_types else None
+        batches = [_embed(self._graphdef, self._state, tokens["input_ids"][i:i + batch_size],
+                          tokens["attention_mask"][i:i + batch_size],
+                          None if types is None else types[i:i + batch_size],
                           modes=self.modes, normalized=self.normalized)
                    for i in range(0, len(texts), batch_size)]
         return jnp.concatenate(batches)

@@ -22,7 +22,7 @@ from tfx.nn.remat import ATTENTION_OUT, MLP_OUT, checkpoint_policy
 from tfx.ops.backends import current_platform
 from tfx.ops.kv_cache import LayerKV
 
-__all__ = ["Block", "RematBlock", "dtypes"]
+__all__ = ["Block", "RematBlock", "dtypes", "model_norm"]
 
 
 def dtypes(config: TransformerConfig, platform: str | None = None) -> dict:
@@ -31,6 +31,13 @@ def dtypes(config: TransformerConfig, platform: str | None = None) -> dict:
     (`tfx.models.config.compute_dtype`: bfloat16 on GPU/TPU, float32 on CPU)."""
     return {"dtype": compute_dtype(config.compute.dtype, platform or current_platform()),
             "param_dtype": jnp.dtype(config.compute.param_dtype)}
+
+
+def model_norm(config: TransformerConfig, *, rngs: nnx.Rngs) -> nnx.Module:
+    """The model's norm over d_model features (norm.kind, eps and bias) in its dtypes."""
+    c = config
+    return make_norm(c.norm.kind, c.d_model, epsilon=c.norm.eps, bias=c.norm.bias, rngs=rngs,
+                     **dtypes(c))
 
 
 class Block(nnx.Module):
@@ -44,10 +51,15 @@ class Block(nnx.Module):
 
     layer_type: "full" or "sliding" (`TransformerConfig.layer_type`): a sliding layer rotates
       with rope.local_theta when the config has one (the window itself is the stack's mask).
+    positional: False for a layer whose self-attention encodes no positions (NoPE:
+      `TransformerConfig.has_positions`).
+    attention_norm: False for a pre-norm layer whose attention reads its input unnormalised
+      (ModernBERT's first layer: `norm.first_attention`).
     """
 
     def __init__(self, config: TransformerConfig, *, cross_attention: bool = False,
-                 moe: bool = False, layer_type: str = "full", rngs: nnx.Rngs):
+                 moe: bool = False, layer_type: str = "full", positional: bool = True,
+                 attention_norm: bool = True, rngs: nnx.Rngs):
         c = config
         kinds = dtypes(c)
 
@@ -62,12 +74,11 @@ class Block(nnx.Module):
                              rngs=rngs, **kinds, **kwargs)
 
         def norm(present: bool = True):
-            return (make_norm(c.norm.kind, c.d_model, epsilon=c.norm.eps, rngs=rngs, **kinds)
-                    if present else None)
+            return model_norm(c, rngs=rngs) if present else None
 
         self.pre_norm, self.parallel_mlp = c.norm.pre_norm, c.mlp.parallel
         inputs = c.norm.inputs or not c.norm.pre_norm
-        position = _position(c, layer_type, rngs)
+        position = _position(c, layer_type, rngs) if positional else None
         latent = getattr(c, "latent", None)  # decoders only
         self.attention = (attention(position=position, sinks=c.attention.sinks)
                           if latent is None else LatentAttention(
@@ -75,7 +86,7 @@ class Block(nnx.Module):
             scale=c.attention.scale, position=position, norm_eps=c.norm.eps,
             softcap=c.attention.softcap, implementation=c.attention.implementation,
             rngs=rngs, **kinds))
-        self.attention_norm = norm(inputs)
+        self.attention_norm = norm(inputs and attention_norm)
         self.attention_output_norm = norm(c.norm.outputs)
         self.cross_attention = attention() if cross_attention else None
         self.cross_norm = norm(inputs and cross_attention)

@@ -155,8 +155,15 @@ class TransformerConfig:
         if types is not None and len(types) != self.num_layers:
             raise ValueError(f"attention.layer_types has {len(types)} entries, one per layer: "
                              f"num_layers is {self.num_layers}")
+        nope = () if self.rope is None else self.rope.nope_layers
+        if any(i >= self.num_layers for i in nope):
+            raise ValueError(f"rope.nope_layers must be layer indices < num_layers "
+                             f"({self.num_layers}), got {nope}")
         if not self.compute.scan_layers:
             return
+        if nope:
+            raise ValueError("compute.scan_layers runs one kind of layer: rope.nope_layers "
+                             f"{nope} leaves some without positions")
         if self.moe is not None and (self.moe.every != 1 or self.moe.first_dense):
             raise ValueError(f"compute.scan_layers runs one kind of layer: with experts it needs "
                              f"moe.every=1 and moe.first_dense=0, got {self.moe.every} and "
@@ -164,6 +171,14 @@ class TransformerConfig:
         if types is not None and len(set(types)) > 1:
             raise ValueError("compute.scan_layers runs one kind of layer: attention.layer_types "
                              f"mixes {sorted(set(types))}")
+        if not self.norm.first_attention and self.num_layers > 1:
+            raise ValueError("compute.scan_layers runs one kind of layer: "
+                             "norm.first_attention=False makes the first one differ")
+
+    def has_positions(self, index: int) -> bool:
+        """Whether layer `index` (0-based) encodes positions in its self-attention: all but
+        the rope.nope_layers."""
+        return self.rope is None or index not in self.rope.nope_layers
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer `index` (0-based) has a mixture of experts in place of its MLP."""
@@ -211,9 +226,9 @@ class TransformerConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderConfig(TransformerConfig):
     """Causal language model (GPT-2, LLaMA, Mistral, Mixtral, Qwen, Gemma, ...): the only
-    family whose attention may have a `sliding_window`, `layer_types` or a sparse `pattern`
-    (see AttentionConfig), and the one that may use Transformer-XL relative attention
-    (position="xl")."""
+    family whose attention may have a sparse `pattern` (see AttentionConfig; encoders may
+    have a `sliding_window` and `layer_types` too), and the one that may use Transformer-XL
+    relative attention (position="xl")."""
 
     logit_softcap: float | None = None
     """Logits become logit_softcap · tanh(logits / logit_softcap) (Gemma 2's
@@ -250,17 +265,19 @@ class DecoderConfig(TransformerConfig):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EncoderConfig(TransformerConfig):
-    """Bidirectional encoder (BERT): token types, [CLS] pooler, tied MLM head."""
+    """Bidirectional encoder (BERT, ModernBERT): token types, [CLS] pooler, tied MLM head;
+    sliding-window layers see a window on either side."""
 
     type_vocab_size: int = 2
-    """Segment (token type) ids are in [0, type_vocab_size)."""
+    """Segment (token type) ids are in [0, type_vocab_size); 0: no token types (ModernBERT)."""
     special_tokens: SpecialTokens = dataclasses.field(default_factory=SpecialTokens)
     """Ids of [PAD], [CLS], [SEP], [MASK]."""
 
     def __post_init__(self):
         super().__post_init__()
-        positive_int("type_vocab_size", self.type_vocab_size)
-        _not_decoder_only(self)
+        positive_int("type_vocab_size", self.type_vocab_size, minimum=0)
+        # An encoder's windows are bidirectional (see AttentionConfig.sliding_window).
+        _not_decoder_only(self, ("pattern",))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -334,13 +351,15 @@ def _check_part(config: TransformerConfig, name: str, kind: type) -> None:
                         f"a dict of its fields), got {type(value).__name__}")
 
 
-def _not_decoder_only(config: TransformerConfig) -> None:
-    """Refuse what only causal decoders implement."""
+def _not_decoder_only(config: TransformerConfig,
+                      attention_fields=("sliding_window", "pattern", "layer_types")) -> None:
+    """Refuse what only causal decoders implement: Transformer-XL positions and the
+    `attention_fields` named."""
     name = type(config).__name__
     if config.position == "xl":
         raise ValueError(f"position 'xl' (Transformer-XL relative attention) needs causal "
                          f"self-attention: use it in a DecoderConfig, not {name}")
-    for field in ("sliding_window", "pattern", "layer_types"):
+    for field in attention_fields:
         if getattr(config.attention, field) is not None:
             raise ValueError(f"attention.{field} is for causal decoders (DecoderConfig), not "
                              f"{name}")

@@ -7,14 +7,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfx.models import checks
-from tfx.models.block import dtypes
+from tfx.models.block import dtypes, model_norm
 from tfx.models.config import EncoderConfig
 from tfx.models.leading import leading_inputs
 from tfx.models.stack import Embeddings, Stack
 from tfx.nn import axes
 from tfx.nn.linear import flat_linear
 from tfx.nn.mlp import ACTIVATIONS
-from tfx.nn.norms import make_norm
 from tfx.ops.masks import padding_mask
 
 __all__ = ["Encoder", "token_types_from_separators"]
@@ -38,8 +37,8 @@ def token_types_from_separators(input_ids: jax.Array, sep_token_id: int) -> jax.
 
 
 class Encoder(nnx.Module):
-    """Word + position + token-type embeddings -> bidirectional layers; a [CLS] pooler and a
-    masked-LM head tied to the word embeddings.
+    """Word + position + token-type embeddings (each where the config has them) ->
+    bidirectional layers; a [CLS] pooler and a masked-LM head tied to the word embeddings.
 
     Call it like Hugging Face's BertModel:
     `hidden = model(input_ids, attention_mask=mask, token_type_ids=types)`.
@@ -55,8 +54,10 @@ class Encoder(nnx.Module):
         # d_model -> d_model: split the input dim only (FSDP), as the projections do.
         square = dict(kernel_metadata=axes.metadata(axes.EMBED, None), **kinds)
         self.pooler = flat_linear(c.d_model, c.d_model, rngs=rngs, **square)
-        self.mlm_transform = flat_linear(c.d_model, c.d_model, rngs=rngs, **square)
-        self.mlm_norm = make_norm(c.norm.kind, c.d_model, epsilon=c.norm.eps, rngs=rngs, **kinds)
+        # Biased as the model's projections: BERT's head is, ModernBERT's is not.
+        self.mlm_transform = flat_linear(c.d_model, c.d_model, use_bias=c.use_bias, rngs=rngs,
+                                         **square)
+        self.mlm_norm = model_norm(c, rngs=rngs)
         self.mlm_bias = nnx.Param(jnp.zeros((c.vocab_size,), kinds["param_dtype"]),
                                   **axes.metadata(axes.VOCAB))
 
@@ -89,6 +90,9 @@ class Encoder(nnx.Module):
             "input_ids", input_ids, "attention_mask", attention_mask, c.vocab_size)
         skip = self.embeddings.num_leading
         if token_type_ids is not None:
+            if not c.type_vocab_size:
+                raise ValueError("token_type_ids given to a model without token types "
+                                 "(type_vocab_size 0): leave them out")
             token_type_ids = checks.int_array("token_type_ids", token_type_ids, "input_ids",
                                               input_ids)
             checks.in_range("token_type_ids", token_type_ids, 0, c.type_vocab_size,

@@ -35,8 +35,9 @@ from tfx.models.config import (
 
 __all__ = ["BERT", "DEEPSEEK_V3", "DEFAULTS", "FAMILIES", "GEMMA2", "GEMMA3", "GPT2", "GPT_NEOX",
            "GPT_OSS",
-           "LLAMA", "MISTRAL", "MIXTRAL", "OLMO2", "OLMO3", "PHI3", "QWEN2", "QWEN3", "QWEN3_MOE",
-           "RUNTIME", "SIZES", "T5", "TRANSFORMER", "Family", "canonical", "flat",
+           "LLAMA", "MISTRAL", "MIXTRAL", "MODERNBERT", "OLMO2", "OLMO3", "PHI3", "QWEN2", "QWEN3",
+           "QWEN3_MOE", "RUNTIME", "SIZES", "SMOLLM3", "T5", "TRANSFORMER", "Family",
+           "canonical", "flat",
            "size_config"]
 
 # The config classes that a card's models have (its `kind`).
@@ -245,6 +246,11 @@ LLAMA = Family(
                               attention={"num_kv_heads": 2}, embeddings={"tie": False}),
            "char-gpt": dict(_CHAR, use_bias=False)})
 
+# SmolLM3: LLaMA whose every fourth layer encodes no positions (NoPE; config.json's
+# no_rope_layers, 0 where a layer does not rotate).
+SMOLLM3 = LLAMA.but(name="smollm3", free={"rope.nope_layers"})
+
+
 MISTRAL = LLAMA.but(
     name="mistral", use_bias=False, attention={"qkv_bias": None, "out_bias": None},
     free={"attention.sliding_window"},
@@ -430,6 +436,35 @@ BERT = Family(
     sizes={"bert-base": dict(_BERT_BASE, d_model=768, num_layers=12, num_heads=12, d_ff=3072),
            "minilm-l6": dict(_BERT_BASE, d_model=384, num_layers=6, num_heads=12, d_ff=1536)})
 
+
+
+def _modernbert_size(num_layers: int, **sizes) -> dict:
+    """A ModernBERT size of `num_layers` layers: what ModernBERT-base's and -large's
+    config.json share besides (every third layer global, from the first; local layers within
+    ±64 tokens, local_attention 128; the [MASK] id from their tokenizer)."""
+    return dict(vocab_size=50368, num_layers=num_layers, max_len=8192, use_bias=False,
+                norm={"eps": 1e-5, "bias": False}, rope={"theta": 160000.0, "local_theta": 10000.0},
+                attention={"sliding_window": 65, "layer_types": tuple(
+                    "sliding" if i % 3 else "full" for i in range(num_layers))},
+                special_tokens={"pad_id": 50283, "cls_id": 50281, "sep_id": 50282,
+                                "mask_id": 50284}, **sizes)
+
+
+# ModernBERT: pre-norm LayerNorm (without biases in its checkpoints) with the first layer's
+# attention reading the normalised token embeddings (no absolute positions, no token types),
+# rotary positions with a base of their own on the local layers, bidirectional sliding windows
+# on those, a GeGLU MLP, no biases in its checkpoints.
+MODERNBERT = Family(
+    name="modernbert", kind=EncoderConfig,
+    fixed=dict(position="rope", type_vocab_size=0, norm={"kind": "layer", "first_attention": False},
+               embeddings={"norm": True}, mlp={"gated": True}),
+    free=(_SIZES - {"embeddings.pad_id"}) | {"special_tokens", "use_bias", "norm.eps",
+                                             "norm.bias", "mlp.activation", "rope.theta",
+                                             "rope.local_theta", "attention.sliding_window",
+                                             "attention.layer_types"},
+    sizes={"modernbert-base": _modernbert_size(22, d_model=768, num_heads=12, d_ff=1152),
+           "modernbert-large": _modernbert_size(28, d_model=1024, num_heads=16, d_ff=2624)})
+
 # T5 (1.0, v1.1, Flan): pre-norm RMSNorm, no biases, unscaled scores and relative position
 # buckets. Its versions differ in their MLP (ReLU or gated GELU) and head (tied and scaled, or
 # neither), which config.json states.
@@ -454,8 +489,8 @@ TRANSFORMER = Family(
                                     d_ff=2048, dropout=0.1)})
 
 FAMILIES = MappingProxyType({card.name: card for card in (
-    LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, OLMO2, OLMO3, PHI3, GEMMA2, GEMMA3,
-    DEEPSEEK_V3, GPT_OSS, GPT_NEOX, GPT2, BERT, T5, TRANSFORMER)})
+    LLAMA, SMOLLM3, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, OLMO2, OLMO3, PHI3, GEMMA2, GEMMA3,
+    DEEPSEEK_V3, GPT_OSS, GPT_NEOX, GPT2, BERT, MODERNBERT, T5, TRANSFORMER)})
 # Named size -> its family.
 SIZES = MappingProxyType({size: card for card in FAMILIES.values() for size in card.sizes})
 

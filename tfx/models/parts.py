@@ -71,6 +71,9 @@ class RopeConfig:
     local_theta: float | None = None
     """Base wavelength of the "sliding" layers (Gemma 3's rope_local_base_freq), which then
     rotate without `scaling`; None: every layer uses theta and scaling."""
+    nope_layers: tuple[int, ...] = ()
+    """Layers (0-based) whose self-attention rotates nothing: no positional encoding at all
+    (NoPE, Kazemnejad et al. 2023), interleaved with rotating layers (SmolLM3: every fourth)."""
 
     def __post_init__(self):
         if not self.theta > 0:
@@ -86,6 +89,10 @@ class RopeConfig:
             raise ValueError(f"rope.fraction must be in (0, 1], got {self.fraction}")
         if self.local_theta is not None and not self.local_theta > 0:
             raise ValueError(f"rope.local_theta must be > 0 or None, got {self.local_theta}")
+        if not isinstance(self.nope_layers, tuple) or not all(
+                isinstance(i, int) and i >= 0 for i in self.nope_layers):
+            raise TypeError(f"rope.nope_layers must be a tuple of layer indices >= 0, got "
+                            f"{self.nope_layers!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,8 +111,8 @@ class T5BiasConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AttentionConfig:
-    """Self-attention beyond its head count. `sliding_window` and `pattern` are for decoders
-    only (DecoderConfig)."""
+    """Self-attention beyond its head count. `pattern` is for decoders only (DecoderConfig);
+    `sliding_window` and `layer_types` for decoders and encoders (EncoderConfig)."""
 
     num_kv_heads: int | None = None
     """Key/value heads: None for num_heads (MHA), fewer for GQA, 1 for MQA."""
@@ -116,7 +123,9 @@ class AttentionConfig:
     implementation: AttentionImplementation | None = None
     """Kernel of `tfx.ops.dot_product_attention`; None for the platform's."""
     sliding_window: int | None = None
-    """How far back a token attends (Mistral); None for full causal attention."""
+    """How far back a token attends (Mistral): a decoder's token sees the last sliding_window
+    tokens, itself included; an encoder's sees those less than sliding_window positions away
+    on either side (ModernBERT's local_attention // 2 + 1). None: full attention."""
     pattern: str | None = None
     """A sparse pattern in the text form of `tfx.ops.sparse.parse_spec` (e.g.
     "window:256|global:16|random:64,2", BigBird), intersected with the causal mask; for
@@ -253,16 +262,26 @@ class NormConfig:
     outputs: bool = False
     """Pre-norm layers also normalise each branch's output before the residual sum,
     x + norm2(f(norm1(x))) (Gemma 2 and 3; OLMo 2 without norm1)."""
+    bias: bool = True
+    """LayerNorms have a bias (an RMSNorm never has one); False: a scale only (ModernBERT's
+    norm_bias=False)."""
+    first_attention: bool = True
+    """The first layer normalises its attention's input like the others; False: it reads the
+    embeddings as they are (ModernBERT, whose embeddings are normalised already,
+    `embeddings.norm`). Pre-norm layers that normalise inputs only."""
 
     def __post_init__(self):
         one_of("norm.kind", self.kind, get_args(NormKind))
         if not self.eps > 0:
             raise ValueError(f"norm.eps must be > 0, got {self.eps}")
-        for name in ("pre_norm", "inputs", "outputs"):
+        for name in ("pre_norm", "inputs", "outputs", "bias", "first_attention"):
             boolean(f"norm.{name}", getattr(self, name))
         if not self.pre_norm and not (self.inputs and not self.outputs):
             raise ValueError("norm.inputs=False and norm.outputs=True are for pre-norm layers "
                              "(norm.pre_norm=True); post-norm layers normalise the residual sum")
+        if not self.first_attention and not (self.pre_norm and self.inputs):
+            raise ValueError("norm.first_attention=False drops the first layer's attention "
+                             "input norm: it needs norm.pre_norm=True and norm.inputs=True")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -384,10 +403,14 @@ class EmbeddingsConfig:
     """The vocabulary's padding token, if it has one (T5: 0; Hugging Face's `pad_token_id`):
     `tfx.generate` and `beam_search` fill finished rows with it. The table treats it like any
     other id."""
+    norm: bool = False
+    """Pre-norm models normalise the embeddings too (ModernBERT), with the model's norm;
+    post-norm models (BERT) always do."""
 
     def __post_init__(self):
         boolean("embeddings.tie", self.tie)
         boolean("embeddings.scale", self.scale)
+        boolean("embeddings.norm", self.norm)
         if self.pad_id is not None:
             positive_int("embeddings.pad_id", self.pad_id, minimum=0)
 

@@ -6,13 +6,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from tfx.models.block import Block, RematBlock, dtypes
+from tfx.models.block import Block, RematBlock, dtypes, model_norm
 from tfx.models.config import EncoderConfig, TransformerConfig
 from tfx.nn import axes
 from tfx.nn.caches import SegmentLayer, kv_cache_layer
 from tfx.nn.dropout import make_dropout
 from tfx.nn.embeddings import LearnedPositions, SinusoidalPositions, TokenEmbedding
-from tfx.nn.norms import make_norm
 from tfx.nn.relative_bias import RelativePositionBias
 from tfx.ops.attention.context_parallel import split_sequence
 from tfx.ops.kv_cache import CacheStep, LayerKV
@@ -26,7 +25,9 @@ class Embeddings(nnx.Module):
     """Token embedding, plus absolute positions and token types where the config has them.
 
     Token embeddings are multiplied by sqrt(d_model) with `embeddings.scale` (Vaswani et al.).
-    Post-norm models (BERT) normalise the sum, as BERT does; dropout follows.
+    Post-norm models (BERT) normalise the sum, as BERT does, and so do pre-norm ones with
+    `embeddings.norm` (ModernBERT); dropout follows. Encoders with `type_vocab_size` 0 have no
+    token types.
     """
 
     def __init__(self, config: TransformerConfig, *, tokens: TokenEmbedding | None = None,
@@ -43,9 +44,9 @@ class Embeddings(nnx.Module):
         # Two rows (BERT's segments): too few to split over the vocabulary's mesh axes.
         self.token_types = (TokenEmbedding(c.type_vocab_size, c.d_model, vocab_axis=None,
                                            rngs=rngs, **kinds)
-                            if isinstance(c, EncoderConfig) else None)
-        self.norm = None if c.norm.pre_norm else make_norm(c.norm.kind, c.d_model,
-                                                           epsilon=c.norm.eps, rngs=rngs, **kinds)
+                            if isinstance(c, EncoderConfig) and c.type_vocab_size else None)
+        normalised = c.embeddings.norm or not c.norm.pre_norm
+        self.norm = model_norm(c, rngs=rngs) if normalised else None
         self.dropout = make_dropout(c.dropout, rngs=rngs)
 
     num_leading = 0  # vectors put before the tokens at every call (see `leading`)
@@ -117,15 +118,17 @@ class Stack(nnx.Module):
                       transform_metadata={nnx.PARTITION_NAME: axes.LAYERS})
             def stacked(rngs):
                 return layer(c, cross_attention=cross_attention, moe=c.is_moe_layer(0),
-                             layer_type=c.layer_type(0), rngs=rngs)
+                             layer_type=c.layer_type(0), positional=c.has_positions(0),
+                             attention_norm=c.norm.first_attention, rngs=rngs)
 
             self.layers = stacked(rngs)
         else:
             self.layers = nnx.List([
                 layer(c, cross_attention=cross_attention, moe=c.is_moe_layer(i),
-                      layer_type=c.layer_type(i), rngs=rngs) for i in range(count)])
-        self.final_norm = (make_norm(c.norm.kind, c.d_model, epsilon=c.norm.eps, rngs=rngs,
-                                     **kinds) if c.norm.pre_norm else None)
+                      layer_type=c.layer_type(i), positional=c.has_positions(i),
+                      attention_norm=c.norm.first_attention or i > 0, rngs=rngs)
+            for i in range(count)])
+        self.final_norm = model_norm(c, rngs=rngs) if c.norm.pre_norm else None
         self.dropout = make_dropout(c.dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array, *, positions: jax.Array, mask: jax.Array | None = None,
@@ -171,7 +174,8 @@ class Stack(nnx.Module):
             bias = self.relative_bias(positions, key_positions)
         shared = dict(bias=bias, positions=positions, query_segment_ids=segment_ids,
                       context_mask=context_mask, context_segment_ids=context_segment_ids)
-        visibility = {window: self._visibility(mask, window, cache is not None, cache_step)
+        visibility = {window: self._visibility(mask, window, cache is not None, cache_step,
+                                               positions)
                       for window in set(self.windows)}
         per_layer_context = isinstance(context, LayerKV | tuple)
         kind = SegmentLayer if cache_step is None else (lambda kv: kv_cache_layer(kv, cache_step))
@@ -206,9 +210,10 @@ class Stack(nnx.Module):
         return x if cache is None else (x, cache)
 
     def _visibility(self, mask: jax.Array | None, window: int | None, cached: bool,
-                    cache_step: CacheStep | None) -> dict:
+                    cache_step: CacheStep | None, positions: jax.Array) -> dict:
         """The mask, sparsity and is_causal of a self-attention whose layer sees the last
-        `window` tokens (None: all). With a cache, its own mask says the rest (a KV cache's
+        `window` tokens (None: all); a bidirectional layer sees those less than `window`
+        `positions` away on either side. With a cache, its own mask says the rest (a KV cache's
         positions; a Transformer-XL memory's mask over [memory | segment]); a window narrower
         than what the KV cache keeps (a model mixing sliding and full layers) is added to it."""
         if cached:
@@ -218,6 +223,8 @@ class Stack(nnx.Module):
                                      < window)
             return dict(mask=mask, sparsity=None, is_causal=False)
         if not self.causal:
+            if window is not None:
+                mask = combine_masks(mask, _within(positions, window))
             return dict(mask=mask, sparsity=None, is_causal=False)
         if window is not None:  # a sliding window is itself causal (Mistral)
             return dict(mask=mask, sparsity=SlidingWindow(window), is_causal=False)
@@ -233,3 +240,15 @@ class Stack(nnx.Module):
         if self.scan_layers:
             return nnx.vmap(project, in_axes=0, out_axes=0)(self.layers)
         return tuple(project(block) for block in self.layers)
+
+
+def _within(positions: jax.Array, window: int) -> jax.Array:
+    """bool [batch or 1, 1, seq, seq]: whether key k is less than `window` positions from query
+    q on either side (an encoder's sliding window, ModernBERT's local attention). Positions, not
+    indices, so that packed documents (positions restarting at 0) keep their windows.
+
+    Args:
+      positions: int [batch, seq] or [seq].
+    """
+    positions = jnp.atleast_2d(positions)
+    return jnp.abs(positions[:, None, :, None] - positions[:, None, None, :]) < window

@@ -41,16 +41,17 @@ def _value(param: nnx.Param | None) -> jax.Array | None:
     return None if param is None else param[...]
 
 
-def make_norm(kind: str, d_model: int, *, epsilon: float, dtype=None, param_dtype=jnp.float32,
-              rngs: nnx.Rngs) -> nnx.Module:
-    """A LayerNorm (scale and bias) or an RMSNorm (scale only); statistics in float32.
+def make_norm(kind: str, d_model: int, *, epsilon: float, bias: bool = True, dtype=None,
+              param_dtype=jnp.float32, rngs: nnx.Rngs) -> nnx.Module:
+    """A LayerNorm (scale, and bias unless `bias` is False) or an RMSNorm (scale only);
+    statistics in float32.
 
     `epsilon` has no default on purpose: BERT uses 1e-12, GPT-2 1e-5, LLaMA 1e-5/1e-6, T5 1e-6,
     and Flax's own default (1e-6) silently differs from most of them.
     """
     if kind == "layer":
-        return LayerNorm(d_model, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
-                         rngs=rngs)
+        return LayerNorm(d_model, epsilon=epsilon, use_bias=bias, dtype=dtype,
+                         param_dtype=param_dtype, rngs=rngs)
     if kind == "rms":
         return RMSNorm(d_model, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
                        rngs=rngs)

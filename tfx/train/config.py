@@ -126,6 +126,9 @@ class TrainConfig:
     """Weight of the router z-loss (models with model.moe)."""
     router_bias_rate: float = 0.001
     """Per-step move of the selection biases toward balance (moe.policy="deepseek")."""
+    sample_prompt: str | None = None
+    """The prompt of the sample `tfx train` prints at the end; None: from the data (the first
+    line of the first validation text; sft, dpo: the first prompt of the data file)."""
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every",
@@ -136,6 +139,9 @@ class TrainConfig:
             raise ValueError(f"nonfinite must be one of {names.NONFINITE_ACTIONS}, got "
                              f"{self.nonfinite!r}")
         non_empty_path("train.init_from", self.init_from)
+        if not isinstance(self.sample_prompt, str | None):
+            raise TypeError(f"train.sample_prompt must be a str or None, got "
+                            f"{self.sample_prompt!r}")
         for name in ("load_balancing_weight", "router_z_weight", "router_bias_rate"):
             _at_least(f"train.{name}", getattr(self, name), 0.0)
         if self.batch_size % self.grad_accum:
@@ -295,7 +301,7 @@ def _check_context_parallel(experiment: Experiment) -> None:
 # run keeps (`nonfinite` only decides what follows a step that was not applied), so a diverged
 # run may resume with nonfinite="skip".
 LOOP_ONLY = ("log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
-             "nonfinite", "max_consecutive_skips")
+             "nonfinite", "max_consecutive_skips", "sample_prompt")
 
 
 def run_identity(experiment: Experiment) -> dict:

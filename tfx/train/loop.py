@@ -5,7 +5,10 @@ WORKDIR/checkpoints (if any), and runs steps until `train.steps`, logging to
 WORKDIR/metrics.jsonl and TensorBoard, evaluating, checkpointing, and finally plotting
 WORKDIR/loss.png. Batch k and the random key of step k depend only on (seed, k), so a run that
 is interrupted and resumed ends exactly where an uninterrupted run ends. SIGTERM/SIGINT finish
-the current step, save a checkpoint and return (`TrainResult.signal` names the signal).
+the current step, save a checkpoint and return (`TrainResult.signal` names the signal); from the
+restore to the last save's commit they only set a flag that the loop reads between steps (one
+that comes before the first step stops the run without saving), and a second one gets the
+handler that was there before (`tfx train`'s stops at once, keeping the newest committed step).
 
 What the loop guarantees about the workdir:
 - One run at a time: `train` holds WORKDIR/.lock (tfx.train.lock) from before it opens the
@@ -26,10 +29,8 @@ What the loop guarantees about the workdir:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import signal
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,13 +43,19 @@ from tqdm.auto import tqdm
 from tfx import parallel
 from tfx.train.checkpoint import Checkpoints, ConfigMismatchError
 from tfx.train.config import Experiment, non_empty_path, run_identity, stored_identity
-from tfx.train.flops import matmul_peak_flops, parameter_count, training_flops_per_token
+from tfx.train.flops import (
+    matmul_peak_flops,
+    nominal_peak_flops,
+    parameter_count,
+    training_flops_per_token,
+)
 from tfx.train.lock import WorkdirLock
 from tfx.train.metrics import MetricsWriter, plot_losses, read_metrics
 from tfx.train.objectives import get_objective
 from tfx.train.optim import make_optimizer
 from tfx.train.pretrained import adopt_base
 from tfx.train.run import initial_model, stored_experiment
+from tfx.train.signals import StopFlag, handling
 from tfx.train.step import (
     finish_eval,
     init_train_state,
@@ -69,13 +76,13 @@ class DivergenceError(RuntimeError):
 class TrainResult:
     """How a call to `train` ended.
 
-    step: the step reached. signal: the number of the signal (`signal.SIGINT`,
-    `signal.SIGTERM`) that stopped the run after it saved, None when it ran to train.steps
-    (`tfx train` then exits with 128 + that number: 130, 143). validation: the last validation
-    metrics. artifacts: where the run's files are, {"checkpoints": folder (config.json and a
-    folder per saved step), "metrics": metrics.jsonl (one JSON record per log or eval step),
-    "loss_plot": loss.png, "tensorboard": folder of TensorBoard event files}; the last three
-    are written by process 0 only.
+    step: the step reached. signal: the number of the signal (`signal.SIGINT`, `signal.SIGTERM`)
+    that came while the run restored, trained, saved or plotted, None when none did (`tfx train`
+    then exits with 128 + that number: 130, 143); when `step` < train.steps it stopped the run,
+    after saving that step. validation: the last validation metrics. artifacts: where the run's
+    files are, {"checkpoints": folder (config.json and a folder per saved step), "metrics":
+    metrics.jsonl (one JSON record per log or eval step), "loss_plot": loss.png, "tensorboard":
+    folder of TensorBoard event files}; the last three are written by process 0 only.
     """
 
     step: int
@@ -223,62 +230,48 @@ def train(experiment: Experiment, workdir: str | Path, *, progress: bool = True)
       DivergenceError: non-finite steps (see train.nonfinite); that state is not saved.
     """
     trainer = Trainer(adopt_base(experiment), workdir, lock=True)
-    try:
-        return _run(trainer, progress=progress)
-    finally:
-        trainer.close()
+    # From the restore to the last save's commit a signal only sets a flag, read at step
+    # boundaries: raised as KeyboardInterrupt it could land inside XLA's or orbax's callbacks
+    # and asyncio loops (tracebacks from their threads, a crash at exit, a swallowed Ctrl-C).
+    with handling(StopFlag()) as stop:
+        try:
+            return _run(trainer, stop, progress=progress)
+        finally:
+            trainer.close()
 
 
-def _run(trainer: Trainer, *, progress: bool) -> TrainResult:
+def _run(trainer: Trainer, stop: StopFlag, *, progress: bool) -> TrainResult:
     e, t = trainer.experiment, trainer.experiment.train
     start = trainer.restore()
     lead = jax.process_index() == 0  # the process that logs
     writer = MetricsWriter(trainer.workdir, resume_step=start, enabled=lead)
-    clock = _Clock(trainer)
-    validation, step = {}, start
     bar = tqdm(total=t.steps, initial=start, desc=e.name, disable=not (progress and lead),
                dynamic_ncols=True)
     say = bar.write if lead else lambda _: None
     if start:
         say(f"resumed from step {start}")
-    guard = _Guard(trainer, say)
-    with writer, bar, _stop_on_signal() as stop:
-        clock.reset(start)
-        for step in range(start + 1, t.steps + 1):
+    boundaries, step = _Boundaries(trainer, writer, bar, say), start
+    with writer, bar:
+        boundaries.clock.reset(start)
+        # A signal before the first step (while restoring) leaves nothing new to save.
+        for step in range(start + 1, t.steps + 1) if stop.signum is None else ():
             trainer.state, metrics = trainer.train_step(
                 trainer.state, trainer.train_batch(step - 1))
             bar.update()
             trainer.checkpoints.check()  # a failed background save stops the run at once
             stopping = stop.signum is not None  # read once: a later signal must still save
-            log = step % t.log_every == 0 or step == t.steps
-            evaluate = step % t.eval_every == 0 or step == t.steps
-            save = step % t.checkpoint_every == 0 or step == t.steps or stopping
-            if not (log or evaluate or save):
-                continue  # no synchronisation with the device between boundaries
-            skipped = guard.check(step)  # before anything of this state is written
-            if log:
-                metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
-                metrics.update(clock.rates(step), skipped_steps=skipped)
-                writer.write(step, metrics)
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}",
-                                tok_s=f"{metrics['tokens_per_s']:.0f}",
-                                mfu=f"{metrics['mfu']:.0%}")
-            if evaluate:
-                validation = trainer.evaluate()
-                writer.write(step, validation, split="val")
-                say(f"step {step}: " + ", ".join(f"val {k} {v:.4g}"
-                                                 for k, v in validation.items()))
-            if save:
-                trainer.checkpoints.save(step, trainer.state.to_dict())
-            clock.reset(step)  # tokens/s leaves evaluation and checkpointing out
             if stopping:
-                say(f"stopped by {signal.Signals(stop.signum).name} after step {step}; the "
-                    "same command resumes")
+                name = signal.Signals(stop.signum).name
+                say(f"{name}: saving step {step}, then stopping (a second {name} stops at "
+                    "once)")
+            boundaries.after(step, metrics, save=stopping)
+            if stopping:
                 break
     artifacts = _artifacts(trainer.workdir)
     if lead:
         plot_losses(read_metrics(writer.path), artifacts["loss_plot"], title=e.name)
-    return TrainResult(step=step, signal=stop.signum, validation=validation, artifacts=artifacts)
+    return TrainResult(step=step, signal=stop.signum, validation=boundaries.validation,
+                       artifacts=artifacts)
 
 
 def _artifacts(workdir: Path) -> dict[str, Path]:
@@ -307,8 +300,46 @@ def _refused_resume(workdir: Path, experiment: Experiment, differences: list) ->
     return message
 
 
+class _Boundaries:
+    """What the loop does after the steps that log, evaluate or save (every train.log_every,
+    eval_every and checkpoint_every steps, the last step, and the step a signal stops at);
+    the steps between them never wait for the device."""
+
+    def __init__(self, trainer: Trainer, writer: MetricsWriter, bar: tqdm,
+                 say: Callable[[str], None]):
+        self.trainer, self.writer, self.bar, self.say = trainer, writer, bar, say
+        self.clock, self.guard = _Clock(trainer), _Guard(trainer, say)
+        self.validation: dict = {}  # the last validation metrics
+
+    def after(self, step: int, metrics: dict, *, save: bool = False) -> None:
+        """Log, evaluate and save as step `step` asks (`save`: save it anyway). metrics:
+        the step's device scalars."""
+        t = self.trainer.experiment.train
+        log = step % t.log_every == 0 or step == t.steps
+        evaluate = step % t.eval_every == 0 or step == t.steps
+        save = save or step % t.checkpoint_every == 0 or step == t.steps
+        if not (log or evaluate or save):
+            return
+        skipped = self.guard.check(step)  # before anything of this state is written
+        if log:
+            metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
+            metrics.update(self.clock.rates(step), skipped_steps=skipped)
+            self.writer.write(step, metrics)
+            self.bar.set_postfix_str(self.clock.describe(metrics))
+        if evaluate:
+            self.validation = self.trainer.evaluate()
+            self.writer.write(step, self.validation, split="val")
+            self.say(f"step {step}: " + ", ".join(f"val {k} {v:.4g}"
+                                                  for k, v in self.validation.items()))
+        if save:
+            self.trainer.checkpoints.save(step, self.trainer.state.to_dict())
+        self.clock.reset(step)  # tokens/s leaves evaluation and checkpointing out
+
+
 class _Clock:
-    """Training throughput since the last reset: tokens/s and model FLOPs utilisation."""
+    """Training throughput since the last reset: tokens/s and model FLOPs utilisation, against
+    the devices' nominal peak where tfx.train.flops knows it ("mfu", as MaxText reports it)
+    and against the matmul peak measured when the run starts ("mfu_measured")."""
 
     def __init__(self, trainer: Trainer):
         e, state = trainer.experiment, trainer.state
@@ -316,7 +347,11 @@ class _Clock:
         self.flops = self.tokens * training_flops_per_token(
             e.model, parameter_count(state.params, config=e.model)
             + parameter_count(state.frozen, config=e.model), e.train.seq_len)
-        self.peak = matmul_peak_flops()
+        # The step runs on every device (one device's peak would count the others' work).
+        self.peaks = {"mfu_measured": matmul_peak_flops() * jax.device_count()}
+        nominal = nominal_peak_flops(jax.devices()[0].device_kind)
+        if nominal is not None:
+            self.peaks["mfu"] = nominal * jax.device_count()
         self.reset(0)
 
     def reset(self, step: int) -> None:
@@ -324,7 +359,17 @@ class _Clock:
 
     def rates(self, step: int) -> dict:
         seconds = (time.perf_counter() - self.time) / (step - self.step)
-        return {"tokens_per_s": self.tokens / seconds, "mfu": self.flops / seconds / self.peak}
+        return {"tokens_per_s": self.tokens / seconds,
+                **{name: self.flops / seconds / peak for name, peak in self.peaks.items()}}
+
+    @staticmethod
+    def describe(metrics: dict) -> str:
+        """The progress bar's text for logged `metrics` (loss, tokens_per_s, mfu_measured and,
+        where the device's nominal peak is known, mfu)."""
+        measured = f"{metrics['mfu_measured']:.0%} of measured peak"
+        mfu = (f"MFU {metrics['mfu']:.0%} of bf16 peak ({measured})" if "mfu" in metrics
+               else f"MFU {measured}")
+        return f"loss={metrics['loss']:.3f}, tok/s={metrics['tokens_per_s']:.0f}, {mfu}"
 
 
 class _Guard:
@@ -361,35 +406,3 @@ class _Guard:
             hint += ", or resume with train.nonfinite=skip to skip such steps"
         raise DivergenceError(f"training diverged: {why}; stopped at step {step} without "
                               f"saving ({kept}). {hint}")
-
-
-class _Stop:
-    """The number of the first SIGTERM/SIGINT received (None until one is)."""
-
-    signum: int | None = None
-
-
-@contextlib.contextmanager
-def _stop_on_signal():
-    """A `_Stop` that the first SIGTERM/SIGINT sets (the loop then saves and stops); a second
-    signal gets the previous handler's behaviour."""
-    stop = _Stop()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-
-    def handler(signum, frame):
-        if stop.signum is not None:
-            signal.signal(signum, previous[signum])
-            signal.raise_signal(signum)
-        stop.signum = signum
-
-    for s in previous:
-        signal.signal(s, handler)
-    try:
-        yield stop
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-

@@ -96,7 +96,8 @@ def plot_losses(records: list[dict], path: str | Path, *, title: str = "") -> Pa
         if points:
             ax.plot(*zip(*points, strict=True), style, label=split)
     ax.set(xlabel="step", ylabel="loss (nats/token)", title=title)
-    ax.legend()
+    if ax.get_lines():  # a run stopped before its first log has no curve to name
+        ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -11,7 +11,8 @@ from flax import nnx
 
 from tfx.train.data import Tokenizer
 
-__all__ = ["chat_prompt", "closing_prompt", "load_model", "with_cache_length"]
+__all__ = ["chat_prompt", "closing_prompt", "load_model", "validation_opening",
+           "with_cache_length"]
 
 # The window of a Hugging Face model scored without a run's train.seq_len.
 DEFAULT_SEQ_LEN = 1024
@@ -72,14 +73,47 @@ def chat_prompt(tokenizer: Tokenizer, text: str) -> tuple[np.ndarray, int | None
 
 
 def closing_prompt(experiment) -> tuple[str, bool]:
-    """(prompt, chat) of the sample `tfx train` prints at the end: for the JSONL objectives
-    (sft, dpo) the first prompt of the data file, as a chat turn when it is one; else "def "
-    (the embedded corpus is Python)."""
-    if experiment.objective not in ("sft", "dpo") or experiment.data.source is None:
-        return "def ", False
-    with open(experiment.data.source, encoding="utf-8") as file:
+    """(prompt, chat) of the sample `tfx train` prints at the end: train.sample_prompt when set,
+    else taken from the data. For the JSONL objectives (sft, dpo) the first prompt of the data
+    file, and chat when that prompt is a chat turn (a set train.sample_prompt is sent as one
+    too); for text, the first line of the first validation text (`validation_opening`)."""
+    chosen = experiment.train.sample_prompt
+    if experiment.objective in ("sft", "dpo"):
+        prompt, chat = _first_prompt(experiment.data.source)
+        return (prompt if chosen is None else chosen), chat
+    return (validation_opening(experiment) if chosen is None else chosen), False
+
+
+def _first_prompt(source: str) -> tuple[str, bool]:
+    """(the prompt of the first record of the JSONL file `source`, whether it is a chat)."""
+    with open(source, encoding="utf-8") as file:
         first = json.loads(next(line for line in file if line.strip()))
     turns = first.get("messages", first.get("prompt"))
     if isinstance(turns, str):
         return turns, False
     return next(t["content"] for t in turns if t["role"] == "user"), True
+
+
+def validation_opening(experiment, max_chars: int = 48) -> str:
+    """The first non-blank line of the run's first validation text, with its line break, cut
+    after its last space before `max_chars` characters when longer. The texts are read again
+    (not tokenized); from a token-shard folder, the first tokens of its validation split are
+    decoded."""
+    from tfx.train import shards
+    from tfx.train.data import corpus_texts, split_texts
+
+    source = experiment.data.source
+    if shards.is_shard_folder(source):
+        from tfx.train.objectives import get_objective
+
+        tokenizer = get_objective(experiment.objective).tokenizer(experiment)
+        stream = shards.open_shards(source, tokenizer, "val")
+        text = tokenizer.decode(stream.windows(np.zeros(1, np.int64), min(len(stream), 256))[0])
+    else:
+        _, validation = split_texts(corpus_texts(source), experiment.data.val_fraction)
+        text = validation[0][1]
+    line = next((line for line in text.splitlines(keepends=True) if line.strip()), text)
+    if len(line) <= max_chars:
+        return line
+    cut = line.rfind(" ", 0, max_chars)
+    return line[:cut + 1] if cut > 0 else line[:max_chars]
