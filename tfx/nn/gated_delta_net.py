@@ -47,11 +47,13 @@ class GatedDeltaNet(nnx.Module):
       heads: value heads (each with its own delta-rule state).
       key_heads: query and key heads, dividing heads (value head h reads key head
         h // (heads // key_heads)).
-      key_dim: features per query and key head; value_dim: per value head.
+      key_dim: features per query and key head.
+      value_dim: features per value head.
       kernel_size: taps of the short causal convolution.
       norm_eps: epsilon of the per-head output RMSNorm and its gate.
       chunk_size: tokens per chunk of the chunked delta rule.
-      dtype, param_dtype: compute and storage dtypes.
+      dtype: compute dtype.
+      param_dtype: storage dtype of the parameters.
     """
 
     def __init__(self, d_model: int, *, heads: int, key_heads: int, key_dim: int,
