@@ -44,7 +44,11 @@ def command() -> NoReturn:
     status = main()
     # With jax loaded the teardown takes a second or two, in which a Ctrl-C printed a
     # KeyboardInterrupt traceback from jax's atexit callback or killed the process without a
-    # line. Every command has closed its files, checkpoints and threads by now.
+    # line. Every command has closed its files, checkpoints and threads by now; the processes of
+    # a multi-process run leave together (jax.distributed's shutdown barrier, a no-op for one),
+    # or the first to go would take the coordination service from the others.
+    if "jax" in sys.modules:
+        sys.modules["jax"].distributed.shutdown()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     logging.shutdown()
