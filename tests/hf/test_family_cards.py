@@ -16,6 +16,8 @@ ARCHITECTURES = {
     "llama2-7b": "LlamaForCausalLM", "mistral-7b": "MistralForCausalLM",
     "mixtral-8x7b": "MixtralForCausalLM", "qwen2.5-0.5b": "Qwen2ForCausalLM",
     "qwen3-0.6b": "Qwen3ForCausalLM", "qwen3-30b-a3b": "Qwen3MoeForCausalLM",
+    "qwen3-next-80b-a3b": "Qwen3NextForCausalLM", "qwen3.5-27b": "Qwen3_5ForCausalLM",
+    "qwen3.5-35b-a3b": "Qwen3_5MoeForCausalLM",
     "olmo2-1b": "Olmo2ForCausalLM", "olmo2-7b": "Olmo2ForCausalLM",
     "olmo3-7b": "Olmo3ForCausalLM", "olmo3-32b": "Olmo3ForCausalLM",
     "gpt-oss-20b": "GptOssForCausalLM", "gpt-oss-120b": "GptOssForCausalLM",
@@ -84,7 +86,7 @@ def test_a_public_config_json_reads_as_its_named_size(name):
 
 @pytest.mark.parametrize("module", ["bert", "deepseek", "gemma", "gpt2", "gpt_neox", "gpt_oss",
                                     "llama", "mixtral", "modernbert", "olmo2", "olmo3", "phi3",
-                                    "qwen", "smollm3", "t5"])
+                                    "qwen", "qwen3_5", "qwen3_next", "smollm3", "t5"])
 def test_a_default_config_json_reads_as_a_model_of_the_card(module):
     family = importlib.import_module(f"tfx.hf.{module}")
     for architecture in family.ARCHITECTURES:

@@ -22,7 +22,10 @@ PUBLISHED = {"llama2-7b": 6.74e9, "mistral-7b": 7.24e9, "mixtral-8x7b": 46.7e9,
              "gpt2-small": 0.124e9, "gpt2-medium": 0.355e9, "bert-base": 0.110e9,
              "minilm-l6": 22.7e6, "modernbert-base": 149e6, "modernbert-large": 395e6,
              "t5-small": 60.5e6,
-             "gpt-oss-20b": 20.91e9, "gpt-oss-120b": 116.83e9}
+             "gpt-oss-20b": 20.91e9, "gpt-oss-120b": 116.83e9,
+             # Their model cards' round totals; tfx counts the text model alone (no
+             # multi-token-prediction head, no vision encoder).
+             "qwen3-next-80b-a3b": 80e9, "qwen3.5-27b": 27e9, "qwen3.5-35b-a3b": 35e9}
 # tfx's own sizes, which no checkpoint publishes.
 OWN = {"llama-tiny", "char-gpt", "char-moe", "transformer-base"}
 

@@ -79,3 +79,38 @@ def test_a_prompt_then_decoding_steps_equal_the_whole_sequence():
 def test_bad_head_counts_are_named():
     with pytest.raises(ValueError, match=r"key_heads \(3\) must be >= 1 and divide heads"):
         GatedDeltaNet(32, heads=4, key_heads=3, key_dim=8, value_dim=6, rngs=nnx.Rngs(0))
+
+
+def test_padding_leaves_both_states_as_the_real_tokens_leave_them():
+    """Padding anywhere in a call (left, inside, right: chunked prefill pads a row on the
+    right) gives the real tokens' outputs and the states of a call on the real tokens alone."""
+    layer = _layer(chunk_size=3)
+    x = jax.random.normal(jax.random.key(2), (1, 6, 32))
+    start = layer(x[:, :3], layer.empty_state(1))[1]  # a state that is not zeros
+    mask = np.array([[False, True, True, False, True, False, False]])
+    real = x[:, 3:]  # at the mask's places, random values elsewhere
+    padded = jax.random.normal(jax.random.key(3), (1, 7, 32)).at[:, mask[0]].set(real)
+    out, state = layer(padded, start, token_mask=mask)
+    want_out, want_state = layer(real, start)
+    chex.assert_trees_all_close(out[:, mask[0]], want_out, atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close((state.conv, state.delta), (want_state.conv, want_state.delta),
+                                atol=1e-5, rtol=1e-5)
+
+
+def test_a_history_records_the_state_before_each_token():
+    """With a history of 3, a 5-token call (2 chunked, 3 token by token) keeps the states at
+    lengths 2, 3, 4: those of calls on the first 2, 3, 4 tokens; outputs are unchanged."""
+    layer = _layer(chunk_size=2)
+    x = jax.random.normal(jax.random.key(4), (2, 5, 32))
+    out, state = layer(x, layer.empty_state(2, history=3))
+    plain_out, plain = layer(x, layer.empty_state(2))
+    chex.assert_trees_all_close((out, state.conv, state.delta),
+                                (plain_out, plain.conv, plain.delta), atol=1e-5, rtol=1e-5)
+    history = state.history
+    np.testing.assert_array_equal(history.length, [5, 5])
+    for length in (2, 3, 4):
+        _, want = layer(x[:, :length], layer.empty_state(2))
+        slot = length % 3
+        np.testing.assert_array_equal(history.lengths[:, slot], [length] * 2)
+        chex.assert_trees_all_close((history.conv[:, slot], history.delta[:, slot]),
+                                    (want.conv, want.delta), atol=1e-5, rtol=1e-5)

@@ -7,13 +7,13 @@ import sys
 import typing
 
 from tfx.models.parts import AttentionImplementation
-from tfx.ops.attention import IMPLEMENTATIONS, selection, table
+from tfx.ops.attention import IMPLEMENTATIONS, dispatch, table
 from tfx.ops.attention.kernel import Kernel
 
 
 def test_every_table_line_loads_its_record_under_its_name():
-    assert tuple(selection.KERNELS) == tuple(table.KERNELS) == IMPLEMENTATIONS
-    for name, record in selection.KERNELS.items():
+    assert tuple(dispatch.KERNELS) == tuple(table.KERNELS) == IMPLEMENTATIONS
+    for name, record in dispatch.KERNELS.items():
         assert isinstance(record, Kernel) and record.name == name and callable(record.run)
 
 
@@ -22,7 +22,7 @@ def test_the_config_literal_is_the_table():
 
 
 def test_the_reference_kernel_ends_the_table_and_runs_everywhere():
-    reference = selection.KERNELS[IMPLEMENTATIONS[-1]]
+    reference = dispatch.KERNELS[IMPLEMENTATIONS[-1]]
     assert reference.name == "reference" and reference.needs == () and reference.platforms is None
 
 

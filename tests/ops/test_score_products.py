@@ -1,6 +1,7 @@
-"""tfx.ops.attention.score_products against the products written out with numpy (values) and against
-autodiff of plain einsums (gradients), and the layout claims: no transposed copy of the scores
-in the compiled backward, and none of the keys in key_query_scores' forward."""
+"""The score products of tfx.ops.attention.reference against the products written out with
+numpy (values) and against autodiff of plain einsums (gradients), and the layout claims: no
+transposed copy of the scores in the compiled backward, and none of the keys in
+key_query_scores' forward."""
 
 import re
 
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tfx.ops.attention.score_products import key_query_scores, query_key_scores, weighted_values
+from tfx.ops.attention.reference import key_query_scores, query_key_scores, weighted_values
 
 
 def plain_scores(query, key):

@@ -1,5 +1,10 @@
 """The compiled step of `tfx.generation.Engine`: one model call over a paged cache for every
-running sequence (a chunk of prompt, or one decoded token), and the next token of each row."""
+running sequence (a chunk of prompt, or one decoded token), and the next token of each row.
+
+A hybrid model's linear-attention layers keep one fixed-size state per engine row
+(`DeltaState` [max_batch, ...]) beside the attention layers' pages: a step whose rows are a
+packed subset of the engine's (the prefill rows) takes each row's states by `state_rows`, and
+puts them back after the call."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tfx.nn.variants import row_variants
+from tfx.ops.linear_attention import DeltaState
 from tfx.ops.paged import PagedCache
 from tfx.ops.sampling import filter_logits
 
@@ -31,6 +37,11 @@ class RowSettings:
       request's samples do not depend on which others share its steps.
     variants: int32 [batch], the weight variant of each row (`tfx.nn.row_variants`: e.g. its
       LoRA adapter, 0 = the base weights); unused by a model without variants.
+    state_rows: int32 [batch], the row of the cache's recurrent states (linear-attention
+      layers) that each row continues (out of range: a row that feeds nothing), or None: row
+      i continues row i. Unused by a model without linear layers.
+    fresh: bool [batch], rows that start a new sequence from empty states (a request just
+      admitted), or None for none.
     """
 
     temperature: jax.Array
@@ -39,6 +50,8 @@ class RowSettings:
     keys: jax.Array
     counts: jax.Array
     variants: jax.Array
+    state_rows: jax.Array | None = None
+    fresh: jax.Array | None = None
 
 
 def compile_step(graphdef) -> Callable:
@@ -65,8 +78,10 @@ def paged_step(graphdef, state, cache: PagedCache, ids: jax.Array, valid: jax.Ar
       distribution (before temperature and filters), and the updated cache.
     """
     model = nnx.merge(graphdef, state)
+    kept = cache.layers
     with row_variants(rows.variants):
-        hidden, cache = model.hidden_states(ids, attention_mask=valid, cache=cache)
+        hidden, cache = model.hidden_states(ids, attention_mask=valid,
+                                            cache=_row_states(cache, rows))
         last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
         hidden = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
         logits = model.logits(hidden)[:, 0].astype(jnp.float32)
@@ -75,7 +90,42 @@ def paged_step(graphdef, state, cache: PagedCache, ids: jax.Array, valid: jax.Ar
     tokens = jax.lax.cond(jnp.any(rows.temperature > 0), _sample, lambda *_: greedy, logits,
                           rows)
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, None], axis=1)[:, 0]
-    return tokens, logprobs, cache
+    return tokens, logprobs, _put_row_states(cache, kept, rows)
+
+
+def _row_states(cache: PagedCache, rows: RowSettings) -> PagedCache:
+    """The cache with each linear layer's states taken for the step's rows (`state_rows`),
+    empty for the `fresh` ones."""
+    if (rows.state_rows is None and rows.fresh is None) or not isinstance(cache.layers, tuple):
+        return cache
+
+    def take(layer):
+        if not isinstance(layer, DeltaState):
+            return layer
+        if rows.state_rows is not None:  # out-of-range rows feed nothing: any state serves
+            layer = jax.tree.map(lambda x: jnp.take(x, rows.state_rows, axis=0, mode="clip"),
+                                 layer)
+        if rows.fresh is not None:
+            layer = jax.tree.map(
+                lambda x: jnp.where(rows.fresh.reshape(-1, *[1] * (x.ndim - 1)), 0, x), layer)
+        return layer
+
+    return dataclasses.replace(cache, layers=tuple(map(take, cache.layers)))
+
+
+def _put_row_states(cache: PagedCache, kept: tuple, rows: RowSettings) -> PagedCache:
+    """The step's cache with each linear layer's states written back to their rows of `kept`
+    (the layers before the step): a step over a subset of the rows leaves the others as
+    they were."""
+    if rows.state_rows is None or not isinstance(cache.layers, tuple):
+        return cache
+
+    def put(old, new):
+        if not isinstance(new, DeltaState):
+            return new
+        return jax.tree.map(lambda o, n: o.at[rows.state_rows].set(n, mode="drop"), old, new)
+
+    return dataclasses.replace(cache, layers=tuple(map(put, kept, cache.layers)))
 
 
 def _sample(logits: jax.Array, rows: RowSettings) -> jax.Array:

@@ -18,6 +18,10 @@ first served). The last generated token is never fed back, so it needs no slot. 
 request whose prompt starts with the same pages (and variant) takes them instead of new ones,
 reading from its first uncached token on (`tfx.generation.prefix_cache`).
 
+A hybrid model's linear-attention layers (Gated DeltaNet) hold no pages: each keeps one
+fixed-size state per row, emptied when a request takes the row. Their state after a prefix
+cannot be read back from shared pages, so prefix caching is refused for them.
+
 Greedy requests produce exactly the tokens of `tfx.generate(model, prompt, temperature=0.0)`
 run alone; sampled ones draw from their own `rng`, folded with the token index, so their
 tokens do not depend on the other requests.
@@ -61,15 +65,17 @@ class Engine:
 
     Args:
       model: a `tfx.models.Decoder` with rotary, learned, sinusoidal or no positions, no
-        sliding window, attention pattern, latent attention or leading vectors.
-      num_pages: pages in the pool (per layer), int >= 1.
+        sliding window, attention pattern, latent attention or leading vectors; its
+        linear-attention layers (a hybrid model) keep one state per row instead of pages.
+      num_pages: pages in the pool (per attention layer), int >= 1.
       page_size: tokens per page, int >= 1.
       max_batch: requests running at once (rows of each step), int >= 1.
       chunk: prompt tokens a request prefills per step, int >= 1.
       prefill_rows: requests that prefill in one step, in [1, max_batch] (default
         max_batch // 4, at least 1).
       dtype: of the pool (default: the model's compute dtype, float32 if unset).
-      prefix_cache: keep full pages of prompts for later requests with the same prefix.
+      prefix_cache: keep full pages of prompts for later requests with the same prefix (not
+        for a model with linear-attention layers).
       variants: weight variants the model holds (`tfx.nn.row_variants`, e.g. LoRA adapters
         attached with `tfx.peft.multi_lora`, 0 = the base weights): a request's `variant` is
         below this; 1 for a plain model.
@@ -94,12 +100,19 @@ class Engine:
         pages_per_seq = math.ceil(self.max_len / self.page_size)
         graphdef, self._state = nnx.split(model)
         self._step = compile_step(graphdef)
+        linear = sum(config.layer_type(i) == "linear" for i in range(config.num_layers))
+        if linear and prefix_cache:
+            raise ValueError("prefix_cache must be False for a model with linear-attention "
+                             "layers: their state after a prefix is not in the shared pages")
+        dtype = jnp.dtype(dtype or dtypes(config)["dtype"] or jnp.float32)
         self._cache = init_paged_cache(
-            num_layers=config.num_layers, num_pages=num_pages, page_size=self.page_size,
-            batch=self.max_batch, pages_per_seq=pages_per_seq, num_kv_heads=config.kv_heads,
+            num_layers=max(config.num_layers - linear, 1), num_pages=num_pages,
+            page_size=self.page_size, batch=self.max_batch, pages_per_seq=pages_per_seq,
+            num_kv_heads=config.kv_heads,
             head_dim=config.attention.head_dim or config.d_model // config.num_heads,
-            dtype=jnp.dtype(dtype or dtypes(config)["dtype"] or jnp.float32),
-            stacked=config.compute.scan_layers)
+            dtype=dtype, stacked=config.compute.scan_layers)
+        if linear:  # one state per row of the engine, beside the attention layers' pools
+            self._cache = model.with_linear_states(self._cache, self.max_batch, dtype)
         self._page_table = np.full((self.max_batch, pages_per_seq), -1, np.int32)
         self._next_position = np.zeros(self.max_batch, np.int32)
         self._rows: list[Request | None] = [None] * self.max_batch
@@ -109,8 +122,14 @@ class Engine:
 
     @property
     def pool_bytes(self) -> int:
-        """Bytes of the page pools, all layers."""
-        return self._cache.nbytes
+        """Bytes of the page pools, all attention layers."""
+        return self._cache.nbytes - self._cache.state_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the linear-attention layers' states, one per row (0 without such
+        layers)."""
+        return self._cache.state_bytes
 
     @property
     def num_programs(self) -> int:
@@ -306,10 +325,13 @@ class Engine:
         finished."""
         ids, fed = np.zeros((size, width), np.int32), np.zeros(size, np.int32)
         rows = np.asarray([row for row, _ in group])
+        fresh = np.zeros(size, bool)  # a request's first tokens start from empty states
         for slot, (_, request) in enumerate(group):
             tokens = request.feed(width)
             ids[slot, :len(tokens)], fed[slot] = tokens, len(tokens)
-        chosen, logprobs = self._call(ids, fed, rows, [request for _, request in group])
+            fresh[slot] = request.fed == 0
+        chosen, logprobs = self._call(ids, fed, rows, fresh,
+                                      [request for _, request in group])
         self._next_position[rows] += fed[:len(group)]
         finished = []
         for slot, (row, request) in enumerate(group):
@@ -324,10 +346,11 @@ class Engine:
                 finished.append(self._retire(row, request, reason))
         return finished
 
-    def _call(self, ids: np.ndarray, fed: np.ndarray, rows: np.ndarray,
+    def _call(self, ids: np.ndarray, fed: np.ndarray, rows: np.ndarray, fresh: np.ndarray,
               requests: list[Request]) -> tuple[np.ndarray, np.ndarray]:
         """The compiled step on ids [size, width] of `requests` (in rows `rows` of the page
-        table, packed in that order); each slot's chosen token and its log-probability."""
+        table, packed in that order; `fresh` bool [size] those that begin); each slot's chosen
+        token and its log-probability."""
         size = ids.shape[0]
         settings = {name: np.zeros(size, dtype) for name, dtype in (
             ("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32),
@@ -346,8 +369,11 @@ class Engine:
         cache = dataclasses.replace(self._cache, page_table=page_table,
                                     next_position=next_position)
         valid = np.arange(ids.shape[1])[None, :] < fed[:, None]
-        chosen, logprobs, self._cache = self._step(self._state, cache, ids, valid,
-                                                   RowSettings(keys=keys, **settings))
+        state_rows = np.full(size, self.max_batch, np.int32)  # unused slots: no row
+        state_rows[:len(rows)] = rows
+        chosen, logprobs, self._cache = self._step(
+            self._state, cache, ids, valid,
+            RowSettings(keys=keys, state_rows=state_rows, fresh=fresh, **settings))
         return np.asarray(chosen), np.asarray(logprobs)
 
     def _retire(self, row: int, request: Request, reason: str) -> Result:

@@ -4,10 +4,13 @@ Each round, a small draft model proposes `num_draft_tokens` (k) tokens one at a 
 own KV cache; the target model scores all k + 1 positions (the last accepted token and the k
 proposals) in one cached call; the accepted prefix and one corrected or bonus token are
 appended (`tfx.ops.speculative.verify_draft`), and both caches forget the rejected tokens
-(`KVCache.rewind`). Greedy output equals `tfx.generate(target, ...)` token for token; sampled
-output is distributed exactly as the target's own samples (temperature, top-k and top-p applied
-to both models alike). The target runs about max_new_tokens / (accepted + 1) times instead of
-max_new_tokens times, which pays when the draft is much cheaper and often right.
+(`KVCache.rewind`). Linear-attention layers (hybrid models) cannot forget by position: their
+caches keep the states before each of the last k tokens (`init_cache(..., rewind=k)`, at most
+k tokens are forgotten per round) and rewind to the one at the accepted length. Greedy output
+equals `tfx.generate(target, ...)` token for token; sampled output is distributed exactly as
+the target's own samples (temperature, top-k and top-p applied to both models alike). The
+target runs about max_new_tokens / (accepted + 1) times instead of max_new_tokens times, which
+pays when the draft is much cheaper and often right.
 
 Prefill, then one `lax.while_loop` of rounds, compiled once per (both models' structure, batch,
 prompt-length bucket, max_new_tokens, k, which filters are on); sampling values are inputs.
@@ -201,7 +204,7 @@ def _speculate(graphdefs, states, ids, mask, rng, filters, eos, pad_token_id, *,
     batch = ids.shape[0]
     caches, hidden = [], None
     for model in models:
-        cache = model.init_cache(batch, cache_len)
+        cache = model.init_cache(batch, cache_len, rewind=num_draft)
         out, cache = model.hidden_states(ids, attention_mask=mask, cache=cache)
         hidden = out if hidden is None else hidden  # the target's, to draw the first token
         caches.append(cache)

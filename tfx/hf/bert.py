@@ -30,6 +30,9 @@ pooler from it (reporting cls.* as unused) and BertForMaskedLM the encoder and M
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import numpy as np
 
 from tfx.hf import plan
@@ -38,7 +41,7 @@ from tfx.models import families
 from tfx.models.config import EncoderConfig
 
 __all__ = ["ARCHITECTURES", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
-           "params_from_hf", "params_to_hf", "steps", "tensor_table"]
+           "encoder_copies", "params_from_hf", "params_to_hf", "steps", "tensor_table"]
 
 ARCHITECTURES = ("BertModel", "BertForMaskedLM")
 # Heads that a checkpoint may lack (path prefixes in the Encoder); see the module docstring.
@@ -140,16 +143,33 @@ def steps(names, config: EncoderConfig) -> list[plan.Step]:
     """The conversion plan for a checkpoint holding tensors `names` (see `tfx.hf.plan`): the
     encoder, each head that has any tensor in `names`, and the tied decoder copies present."""
     prefix = "bert." if any(name.startswith("bert.") for name in names) else ""
-    out = []
-    for group, entries in tensor_table(config).items():
-        if group != "encoder" and not any(_full(prefix, name) in names for name, _, _ in entries):
-            continue
-        why = ("the BERT encoder needs it" if group == "encoder" else
-               f"the {group} head's other tensors are present; a head loads whole or not at all")
-        out += [plan.copy(path, _full(prefix, name), transpose=transpose, why=why)
-                for name, path, transpose in entries]
+    out = encoder_copies(names, tensor_table(config), functools.partial(_full, prefix), "BERT")
     out += [plan.tied(copy, _full(prefix, source), "tfx supports the tied masked-LM decoder only")
             for copy, source in _TIED.items() if copy in names]
+    return out
+
+
+def encoder_copies(names, table: dict[str, list[tuple[str, Path, bool]]],
+                   full: Callable[[str], str], family: str) -> list[plan.Step]:
+    """The copy steps of an encoder checkpoint (BERT, ModernBERT): every tensor of the table's
+    "encoder" group, which must all be present, and each other group (a head) whole when
+    `names` holds any of its tensors, else none of it (the head keeps its initial values).
+
+    Args:
+      names: the checkpoint's tensor names (anything that answers `in`).
+      table: group -> [(tensor name without the model's prefix, tfx path, transposed)], as
+        `tensor_table` gives it.
+      full: the checkpoint's name of a table name (the model's prefix added where it applies).
+      family: the model's name, for the reason a step gives ("BERT").
+    """
+    out = []
+    for group, entries in table.items():
+        if group != "encoder" and not any(full(name) in names for name, _, _ in entries):
+            continue
+        why = (f"the {family} encoder needs it" if group == "encoder" else
+               f"the {group} head's other tensors are present; a head loads whole or not at all")
+        out += [plan.copy(path, full(name), transpose=transpose, why=why)
+                for name, path, transpose in entries]
     return out
 
 

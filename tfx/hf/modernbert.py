@@ -38,6 +38,7 @@ import functools
 import numpy as np
 
 from tfx.hf import plan
+from tfx.hf.bert import encoder_copies
 from tfx.hf.decoder_parts import check_card
 from tfx.models import families
 from tfx.models.config import EncoderConfig
@@ -198,14 +199,8 @@ def steps(names, config: EncoderConfig) -> list[plan.Step]:
     rows, and the tied decoder weight when present."""
     names = set(names)
     prefix = "model." if any(name.startswith("model.") for name in names) else ""
-    out = []
-    for group, entries in tensor_table(config).items():
-        if group != "encoder" and not any(_full(prefix, name) in names for name, _, _ in entries):
-            continue
-        why = ("the ModernBERT encoder needs it" if group == "encoder" else
-               f"the {group} head's other tensors are present; a head loads whole or not at all")
-        out += [plan.copy(path, _full(prefix, name), transpose=transpose, why=why)
-                for name, path, transpose in entries]
+    out = encoder_copies(names, tensor_table(config), functools.partial(_full, prefix),
+                         "ModernBERT")
     for name, (paths, rows) in fused_tensors(config).items():
         out.append(plan.Step(paths, (prefix + name,), functools.partial(_split_rows, name, rows),
                              "the ModernBERT encoder needs it"))

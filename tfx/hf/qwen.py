@@ -146,22 +146,23 @@ def _moe_fields(hf: dict, architecture: str) -> dict:
     if not (isinstance(step, int) and step >= 1):
         raise ValueError(f"{architecture}: decoder_sparse_step must be an int >= 1, got {step}")
     return {"moe.num_experts": experts, "moe.experts_per_token": k, "moe.every": step,
-            "moe.first_dense": _first_dense(hf, architecture),
+            "moe.first_dense": first_dense(hf, architecture),
             "moe.d_ff": hf["moe_intermediate_size"],
             "moe.renormalize": bool(hf["norm_topk_prob"]), "moe.jitter": 0.0}
 
 
-def _first_dense(hf: dict, architecture: str) -> int:
+def first_dense(hf: dict, architecture: str) -> int:
     """moe.first_dense: the fewest leading layers that, kept dense with every
     decoder_sparse_step-th layer having experts, leave the very layers transformers gives
-    experts (those not in mlp_only_layers)."""
+    experts (those not in mlp_only_layers); Qwen 3 MoE's and Qwen3-Next's rule."""
     step, dense = hf["decoder_sparse_step"], set(hf["mlp_only_layers"] or ())
+    if not (isinstance(step, int) and step >= 1):
+        raise ValueError(f"{architecture}: decoder_sparse_step must be an int >= 1, got {step}")
     layers = range(hf["num_hidden_layers"])
     sparse = [i for i in layers if i not in dense and (i + 1) % step == 0]
     if not sparse:
         raise ValueError(f"{architecture}: no layer has experts (decoder_sparse_step={step}, "
-                         f"mlp_only_layers={hf['mlp_only_layers']}); a dense model is a "
-                         "Qwen3ForCausalLM")
+                         f"mlp_only_layers={hf['mlp_only_layers']})")
     first = max(0, sparse[0] - step + 1)
     if sparse != [i for i in layers if i >= first and (i + 1) % step == 0]:
         raise ValueError(f"{architecture}: mlp_only_layers={hf['mlp_only_layers']} is not "

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from tfx.models.config import TransformerConfig, compute_dtype
+from tfx.models.config import MoeConfig, TransformerConfig, compute_dtype
 from tfx.nn.attention import Attention, NoCache
 from tfx.nn.dropout import make_dropout
+from tfx.nn.gated_delta_net import GatedDeltaNet
 from tfx.nn.latent_attention import LatentAttention
 from tfx.nn.mlp import MLP
 from tfx.nn.moe import MoE
@@ -49,8 +50,10 @@ class Block(nnx.Module):
     `norm.inputs` False); with `mlp.parallel` the MLP reads the layer's input beside the
     attention (GPT-NeoX). Dropout is applied to each branch before the residual sum.
 
-    layer_type: "full" or "sliding" (`TransformerConfig.layer_type`): a sliding layer rotates
-      with rope.local_theta when the config has one (the window itself is the stack's mask).
+    layer_type: "full", "sliding" or "linear" (`TransformerConfig.layer_type`): a sliding layer
+      rotates with rope.local_theta when the config has one (the window itself is the stack's
+      mask); a linear layer mixes tokens with Gated DeltaNet (config.linear) in attention's
+      place, its cache a `tfx.nn.DeltaState`.
     positional: False for a layer whose self-attention encodes no positions (NoPE:
       `TransformerConfig.has_positions`).
     attention_norm: False for a pre-norm layer whose attention reads its input unnormalised
@@ -80,28 +83,27 @@ class Block(nnx.Module):
         inputs = c.norm.inputs or not c.norm.pre_norm
         position = _position(c, layer_type, rngs) if positional else None
         latent = getattr(c, "latent", None)  # decoders only
-        self.attention = (attention(position=position, sinks=c.attention.sinks)
-                          if latent is None else LatentAttention(
-            c.d_model, c.num_heads, **dataclasses.asdict(latent), use_bias=c.use_bias,
-            scale=c.attention.scale, position=position, norm_eps=c.norm.eps,
-            softcap=c.attention.softcap, implementation=c.attention.implementation,
-            rngs=rngs, **kinds))
+        if layer_type == "linear":
+            self.attention = GatedDeltaNet(c.d_model, **dataclasses.asdict(c.linear),
+                                           norm_eps=c.norm.eps, rngs=rngs, **kinds)
+        elif latent is None:
+            self.attention = attention(position=position, sinks=c.attention.sinks,
+                                       output_gate=c.attention.output_gate)
+        else:
+            self.attention = LatentAttention(
+                c.d_model, c.num_heads, **dataclasses.asdict(latent), use_bias=c.use_bias,
+                scale=c.attention.scale, position=position, norm_eps=c.norm.eps,
+                softcap=c.attention.softcap, implementation=c.attention.implementation,
+                rngs=rngs, **kinds)
         self.attention_norm = norm(inputs and attention_norm)
         self.attention_output_norm = norm(c.norm.outputs)
         self.cross_attention = attention() if cross_attention else None
         self.cross_norm = norm(inputs and cross_attention)
         self.cross_output_norm = norm(c.norm.outputs and cross_attention)
         if moe:
-            self.mlp = MoE(c.d_model, c.moe.d_ff or c.d_ff, num_experts=c.moe.num_experts,
-                           experts_per_token=c.moe.experts_per_token, activation=c.mlp.activation,
-                           gated=c.mlp.gated, capacity_factor=c.moe.capacity_factor,
-                           policy=c.moe.policy, jitter=c.moe.jitter,
-                           implementation=c.moe.dispatch, shared_experts=c.moe.shared_experts,
-                           renormalize=c.moe.renormalize, num_groups=c.moe.num_groups,
-                           groups_per_token=c.moe.groups_per_token,
-                           routed_scale=c.moe.routed_scale, router_bias=c.moe.router_bias,
-                           expert_bias=c.moe.expert_bias, swiglu_limit=c.moe.swiglu_limit,
-                           swiglu_alpha=c.moe.swiglu_alpha, rngs=rngs, **kinds)
+            self.mlp = MoE(c.d_model, c.moe.d_ff or c.d_ff, activation=c.mlp.activation,
+                           gated=c.mlp.gated, implementation=c.moe.dispatch,
+                           **_moe_options(c.moe), rngs=rngs, **kinds)
         else:
             self.mlp = MLP(c.d_model, c.d_ff, activation=c.mlp.activation, gated=c.mlp.gated,
                            use_bias=c.use_bias, rngs=rngs, **kinds)
@@ -125,9 +127,11 @@ class Block(nnx.Module):
             query of segment k (the self-attention's `query_segment_ids`) then sees only the
             context of segment k.
           cache: this layer's self-attention cache, a kind of `tfx.nn.caches` (KVLayer,
-            SegmentLayer); the layer then also returns its next state.
+            SegmentLayer), or a linear layer's `DeltaState`; the layer then also returns its
+            next state.
           token_mask: bool [batch, seq], False for padding, for a mixture of experts (which
-            then routes padding nowhere); ignored by a dense MLP.
+            then routes padding nowhere) and a linear layer (which reads padding as zeros);
+            ignored by a dense MLP and attention.
           attention_args: mask, bias, is_causal, sparsity, positions, segment ids of the
             self-attention (see `tfx.nn.Attention`).
         """
@@ -135,7 +139,10 @@ class Block(nnx.Module):
         # name the branch outputs for the remat policies that keep them (tfx.nn.remat).
         h = self.branch_input("attention", x)
         with jax.named_scope("attention"):
-            h = self.attention(h, cache=cache, **attention_args)
+            if isinstance(self.attention, GatedDeltaNet):  # positions and masks mean nothing
+                h = self.attention(h, cache, token_mask=token_mask)
+            else:
+                h = self.attention(h, cache=cache, **attention_args)
         h, cache = (h, None) if cache is None else h
         layer_input, x = x, self.residual("attention", x, checkpoint_name(h, ATTENTION_OUT))
         if self.cross_attention is not None:
@@ -185,6 +192,15 @@ class RematBlock(Block):
         policy = checkpoint_policy(self.remat_policy)
         return nnx.remat(lambda block, h: Block.__call__(block, h, **kwargs),
                          policy=policy)(self, x)
+
+
+def _moe_options(moe: MoeConfig) -> dict:
+    """The `MoE` keyword arguments that the moe sub-config names alike: all its fields but the
+    experts' width, the dispatch (MoE's `implementation`) and which layers have experts."""
+    options = dataclasses.asdict(moe)
+    for name in ("d_ff", "dispatch", "every", "first_dense"):
+        del options[name]
+    return options
 
 
 def _position(config: TransformerConfig, layer_type: str, rngs: nnx.Rngs) -> Position | None:

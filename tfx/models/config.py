@@ -19,6 +19,7 @@ from tfx.models.parts import (
     ComputeConfig,
     EmbeddingsConfig,
     LatentConfig,
+    LinearAttentionConfig,
     MlpConfig,
     MoeConfig,
     NormConfig,
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
 
 __all__ = ["COMPUTE_DTYPES", "OPTIONAL_SUBCONFIGS", "POSITIONS", "SUBCONFIGS",
            "AttentionConfig", "ComputeConfig", "DecoderConfig", "EmbeddingsConfig",
-           "EncoderConfig", "EncoderDecoderConfig", "LatentConfig", "MlpConfig", "MoeConfig",
+           "EncoderConfig", "EncoderDecoderConfig", "LatentConfig", "LinearAttentionConfig",
+           "MlpConfig", "MoeConfig",
            "NormConfig", "RopeConfig", "SpecialTokens", "T5BiasConfig", "TransformerConfig",
            "compute_dtype", "field_value", "nested"]
 
@@ -47,9 +49,10 @@ POSITIONS = get_args(Position)
 SUBCONFIGS = {"rope": RopeConfig, "t5": T5BiasConfig, "attention": AttentionConfig,
               "mlp": MlpConfig, "norm": NormConfig, "moe": MoeConfig,
               "embeddings": EmbeddingsConfig, "compute": ComputeConfig,
-              "special_tokens": SpecialTokens, "latent": LatentConfig}
+              "special_tokens": SpecialTokens, "latent": LatentConfig,
+              "linear": LinearAttentionConfig}
 # The sub-configs that may be None (absent: not used by the model).
-OPTIONAL_SUBCONFIGS = ("rope", "t5", "moe", "latent")
+OPTIONAL_SUBCONFIGS = ("rope", "t5", "moe", "latent", "linear")
 # Sub-configs that exist only for one position kind: filled with their defaults when that kind
 # is chosen without them, refused with any other.
 _POSITION_PARTS = {"rope": "rope", "t5": "t5"}
@@ -155,6 +158,9 @@ class TransformerConfig:
         if types is not None and len(types) != self.num_layers:
             raise ValueError(f"attention.layer_types has {len(types)} entries, one per layer: "
                              f"num_layers is {self.num_layers}")
+        if types is not None and "linear" in types and not hasattr(self, "linear"):
+            raise ValueError(f"attention.layer_types 'linear' (Gated DeltaNet) is for causal "
+                             f"decoders (DecoderConfig), not {type(self).__name__}")
         nope = () if self.rope is None else self.rope.nope_layers
         if any(i >= self.num_layers for i in nope):
             raise ValueError(f"rope.nope_layers must be layer indices < num_layers "
@@ -186,8 +192,9 @@ class TransformerConfig:
                 and (index + 1) % self.moe.every == 0)
 
     def layer_type(self, index: int) -> str:
-        """What layer `index` (0-based) attends: "sliding" (the last attention.sliding_window
-        tokens) or "full" (see AttentionConfig.layer_types)."""
+        """How layer `index` (0-based) mixes tokens: "sliding" (attention to the last
+        attention.sliding_window tokens), "full" or "linear" (Gated DeltaNet; see
+        AttentionConfig.layer_types)."""
         types = self.attention.layer_types
         if types is not None:
             return types[index]
@@ -236,6 +243,9 @@ class DecoderConfig(TransformerConfig):
     latent: LatentConfig | None = None
     """Multi-head latent attention (DeepSeek-V2/V3) in every layer; None: attention with
     keys and values per KV head."""
+    linear: LinearAttentionConfig | None = None
+    """Gated DeltaNet, the token mixer of the "linear" layers of attention.layer_types
+    (Qwen3-Next, Qwen3.5); None: a model without linear layers."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -244,6 +254,16 @@ class DecoderConfig(TransformerConfig):
             raise ValueError(f"logit_softcap must be a finite number > 0 or None, got {cap!r}")
         if self.latent is not None:
             self._check_latent()
+        self._check_linear()
+
+    def _check_linear(self):
+        """"linear" layers and the linear sub-config come together."""
+        types = self.attention.layer_types or ()
+        if ("linear" in types) != (self.linear is not None):
+            raise ValueError("attention.layer_types has 'linear' layers only with a linear "
+                             "sub-config (Gated DeltaNet) and a linear sub-config needs "
+                             f"'linear' layers: got layer_types={types or None} and "
+                             f"linear={self.linear}")
 
     def _check_latent(self):
         """What latent attention replaces or cannot combine with."""
@@ -258,9 +278,10 @@ class DecoderConfig(TransformerConfig):
             if value is not None:
                 raise ValueError(f"{name} has no meaning with latent attention (the latent "
                                  f"sub-config sizes the heads): set it to None, got {value!r}")
-        if self.attention.sinks:
-            raise ValueError("attention.sinks is not implemented for latent attention "
-                             "(tfx.nn.LatentAttention takes no sinks)")
+        for name in ("sinks", "output_gate"):
+            if getattr(self.attention, name):
+                raise ValueError(f"attention.{name} is not implemented for latent attention "
+                                 f"(tfx.nn.LatentAttention takes no {name})")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

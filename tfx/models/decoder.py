@@ -15,6 +15,7 @@ from tfx.models.leading import leading_inputs
 from tfx.models.stack import Embeddings, Stack
 from tfx.nn import axes
 from tfx.nn.embeddings import TokenEmbedding
+from tfx.nn.gated_delta_net import GatedDeltaNet
 from tfx.nn.linear import flat_linear, is_plain
 from tfx.ops.activations import softcap
 from tfx.ops.kv_cache import (
@@ -129,17 +130,29 @@ class Decoder(nnx.Module):
                                cache_step=step, token_mask=valid)
         return x, dataclasses.replace(cache, layers=layers)
 
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache | SegmentMemory:
+    def init_cache(self, batch: int, max_len: int, dtype=None, *,
+                   rewind: int = 0) -> KVCache | SegmentMemory:
         """An empty KV cache for `batch` sequences of up to `max_len` tokens in all (a ring
         buffer of the sliding window when the config has one shorter than max_len); for
-        position="xl", a Transformer-XL memory of the last `max_len` tokens.
+        position="xl", a Transformer-XL memory of the last `max_len` tokens. Linear-attention
+        layers (Gated DeltaNet) hold a fixed-size `DeltaState` in their place.
 
         With leading vectors (`embeddings.num_leading`), the cache has room
         for G more and already holds them (run through the layers here, once), so decoding
         steps continue after them.
 
-        dtype: of the cache (default: the compute dtype, float32 if unset).
+        Args:
+          batch: rows, int >= 1.
+          max_len: tokens per row, int >= 1.
+          dtype: of the cache (default: the compute dtype, float32 if unset).
+          rewind: the most tokens one `KVCache.rewind` may forget (int >= 0, e.g. the draft
+            tokens of speculative decoding): linear-attention layers then also keep their
+            states before each of their last `rewind` tokens. 0: their states cannot be
+            rewound. Attention layers need nothing for it.
         """
+        if isinstance(rewind, bool) or not isinstance(rewind, int) or rewind < 0:
+            raise ValueError(f"rewind must be an int >= 0 (tokens a rewind may forget), got "
+                             f"{rewind!r}")
         c = self.config
         g = self.embeddings.num_leading
         if c.position == "learned" and max_len + g > c.max_len:
@@ -152,10 +165,13 @@ class Decoder(nnx.Module):
                                  "Transformer-XL memory (position='xl'), which would forget them")
             return init_memory(num_layers=c.num_layers, batch=batch, mem_len=max_len,
                                d_model=c.d_model, dtype=dtype, stacked=c.compute.scan_layers)
-        # A ring buffer of the window when every layer slides; full layers need every key.
-        sliding = all(c.layer_type(i) == "sliding" for i in range(c.num_layers))
-        layout = dict(num_layers=c.num_layers, batch=batch, max_len=max_len + g, dtype=dtype,
-                      window=c.attention.sliding_window if sliding else None,
+        # A ring buffer of the window when every attention layer slides; full layers need
+        # every key. Linear layers keep a DeltaState instead (`with_linear_states`).
+        types = [c.layer_type(i) for i in range(c.num_layers)]
+        attending = [t for t in types if t != "linear"]
+        sliding = all(t == "sliding" for t in attending)
+        layout = dict(num_layers=max(len(attending), 1), batch=batch, max_len=max_len + g,
+                      dtype=dtype, window=c.attention.sliding_window if sliding else None,
                       stacked=c.compute.scan_layers)
         if c.latent is not None:  # the compressed latent and the rotary key
             cache = init_latent_cache(kv_lora_rank=c.latent.kv_lora_rank,
@@ -164,10 +180,25 @@ class Decoder(nnx.Module):
             cache = init_cache(num_kv_heads=c.kv_heads,
                                head_dim=c.attention.head_dim or c.d_model // c.num_heads,
                                **layout)
+        if len(attending) < len(types):
+            cache = self.with_linear_states(cache, batch, dtype, history=rewind)
         if g:
             _, cache = self._cached(jnp.zeros((batch, 0), jnp.int32), jnp.ones((batch, g), bool),
                                     cache, leading=self.embeddings.leading(batch))
         return cache
+
+    def with_linear_states(self, cache: KVCache | PagedCache, batch: int, dtype, *,
+                           history: int = 0) -> KVCache | PagedCache:
+        """`cache` (a tuple of KV layers or page pools for the attention layers, in order,
+        at least one) with an empty `DeltaState` [batch, ...] at each linear layer's place:
+        one state per layer and row, whatever the sequence length; `history` as
+        `GatedDeltaNet.empty_state`'s."""
+        kv_layers = iter(cache.layers)
+        layers = tuple(
+            block.attention.empty_state(batch, dtype, history=history)
+            if isinstance(block.attention, GatedDeltaNet) else next(kv_layers)
+            for block in self.stack.layers)
+        return dataclasses.replace(cache, layers=layers)
 
     def logits(self, hidden: jax.Array, output_weights: jax.Array | None = None) -> jax.Array:
         """[batch, seq, d_model] -> float32 [batch, seq, vocab_size], soft-capped by
@@ -181,7 +212,8 @@ class Decoder(nnx.Module):
         else:
             out = (self.embeddings.tokens.attend(hidden) if self.head is None
                    else self.head(hidden))
-        return softcap(out.astype(jnp.float32), self.config.logit_softcap)
+        out, cap = out.astype(jnp.float32), self.config.logit_softcap
+        return out if cap is None else softcap(out, cap)
 
     def output_weights(self) -> jax.Array | None:
         """The output head as one [d_model, vocab_size] matrix: the head's kernel, or the

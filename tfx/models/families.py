@@ -36,7 +36,8 @@ from tfx.models.config import (
 __all__ = ["BERT", "DEEPSEEK_V3", "DEFAULTS", "FAMILIES", "GEMMA2", "GEMMA3", "GPT2", "GPT_NEOX",
            "GPT_OSS",
            "LLAMA", "MISTRAL", "MIXTRAL", "MODERNBERT", "OLMO2", "OLMO3", "PHI3", "QWEN2", "QWEN3",
-           "QWEN3_MOE", "RUNTIME", "SIZES", "SMOLLM3", "T5", "TRANSFORMER", "Family",
+           "QWEN3_5", "QWEN3_5_MOE", "QWEN3_MOE", "QWEN3_NEXT", "RUNTIME", "SIZES", "SMOLLM3",
+           "T5", "TRANSFORMER", "Family",
            "canonical", "flat",
            "size_config"]
 
@@ -299,6 +300,53 @@ QWEN3_MOE = QWEN3.but(
                                  moe={"num_experts": 128, "experts_per_token": 8, "d_ff": 768,
                                       "renormalize": True})})
 
+# Qwen3-Next and Qwen3.5: hybrid decoders whose "linear" layers mix tokens with Gated DeltaNet
+# (the `linear` sub-config) and whose full-attention layers gate each head's output
+# (attention.output_gate) and rotate a quarter of each head (rope.fraction 0.25); no windows.
+# Their RMSNorms multiply by (1 + weight), which the converters turn into tfx scales.
+_HYBRID = dict(attention={"output_gate": True, "sliding_window": None},
+               free={"linear", "attention.layer_types", "rope.fraction"})
+
+
+def _hybrid_size(num_layers: int, **sizes) -> dict:
+    """A Qwen3-Next / Qwen3.5 size of `num_layers` layers, three linear per full one, with what
+    their config.json files share: 256-wide attention heads rotating a quarter of their
+    features with base 1e7 over 262144 tokens, Gated DeltaNet of 16 key heads, 128 features per
+    head and a 4-tap convolution, an untied head."""
+    linear = {"key_heads": 16, "key_dim": 128, "value_dim": 128, "kernel_size": 4,
+              **sizes.pop("linear")}
+    attention = {"head_dim": 256, "layer_types": (("linear",) * 3 + ("full",)) * (num_layers // 4),
+                 **sizes.pop("attention")}
+    return dict(num_layers=num_layers, max_len=262144, norm={"eps": 1e-6},
+                rope={"theta": 1e7, "fraction": 0.25}, embeddings={"tie": False},
+                attention=attention, linear=linear, **sizes)
+
+
+# Qwen3-Next: Qwen 3 MoE's routing with a shared expert behind a sigmoid gate, hybrid layers.
+QWEN3_NEXT = QWEN3_MOE.but(
+    name="qwen3_next", attention=_HYBRID["attention"], moe={"shared_gate": True},
+    free=_HYBRID["free"] | {"moe.shared_experts"},
+    sizes={"qwen3-next-80b-a3b": _hybrid_size(
+        48, vocab_size=151936, d_model=2048, num_heads=16, d_ff=5120,
+        attention={"num_kv_heads": 2}, linear={"heads": 32},
+        moe={"num_experts": 512, "experts_per_token": 10, "d_ff": 512, "shared_experts": 1,
+             "renormalize": True})})
+
+# Qwen3.5 (its text model): Qwen 3 with hybrid layers.
+QWEN3_5 = QWEN3.but(
+    name="qwen3_5", attention=_HYBRID["attention"], free=_HYBRID["free"],
+    sizes={"qwen3.5-27b": _hybrid_size(
+        64, vocab_size=248320, d_model=5120, num_heads=24, d_ff=17408,
+        attention={"num_kv_heads": 4}, linear={"heads": 48})})
+
+# Qwen3.5 MoE (its text model): Qwen3-Next with experts in every layer, always renormalised.
+QWEN3_5_MOE = QWEN3_NEXT.but(
+    name="qwen3_5_moe", moe={"every": 1, "first_dense": 0, "renormalize": True},
+    sizes={"qwen3.5-35b-a3b": _hybrid_size(
+        40, vocab_size=248320, d_model=2048, num_heads=16, d_ff=512,
+        attention={"num_kv_heads": 2}, linear={"heads": 32},
+        moe={"num_experts": 256, "experts_per_token": 8, "d_ff": 512, "shared_experts": 1})})
+
 # OLMo 2: LLaMA with norms on the branch outputs only and q/k norms across heads.
 OLMO2 = LLAMA.but(
     name="olmo2", use_bias=False, norm={"inputs": False, "outputs": True},
@@ -489,7 +537,8 @@ TRANSFORMER = Family(
                                     d_ff=2048, dropout=0.1)})
 
 FAMILIES = MappingProxyType({card.name: card for card in (
-    LLAMA, SMOLLM3, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, OLMO2, OLMO3, PHI3, GEMMA2, GEMMA3,
+    LLAMA, SMOLLM3, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, QWEN3_5,
+    QWEN3_5_MOE, OLMO2, OLMO3, PHI3, GEMMA2, GEMMA3,
     DEEPSEEK_V3, GPT_OSS, GPT_NEOX, GPT2, BERT, MODERNBERT, T5, TRANSFORMER)})
 # Named size -> its family.
 SIZES = MappingProxyType({size: card for card in FAMILIES.values() for size in card.sizes})

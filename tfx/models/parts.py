@@ -23,7 +23,8 @@ else:  # a runtime annotation that names no jax type (tyro reads it as a fixed f
 
 __all__ = ["COMPUTE_DTYPES", "REMAT_POLICIES", "Activation", "AttentionConfig",
            "AttentionImplementation", "ComputeConfig", "Dtype", "EmbeddingsConfig",
-           "LatentConfig", "LayerType", "MlpConfig", "MoeConfig", "MoeDispatch", "MoePolicy",
+           "LatentConfig", "LayerType", "LinearAttentionConfig", "MlpConfig", "MoeConfig",
+           "MoeDispatch", "MoePolicy",
            "NormConfig", "NormKind", "QKNorm", "RematPolicy", "RopeConfig", "RopeLayout",
            "SpecialTokens", "T5BiasConfig"]
 
@@ -35,8 +36,10 @@ RopeLayout = Literal[names.ROPE_LAYOUTS]
 AttentionImplementation = Literal[attention_table.IMPLEMENTATIONS]
 MoePolicy = Literal[names.MOE_POLICIES]
 MoeDispatch = Literal[names.MOE_DISPATCHES]
-# What a layer's self-attention sees: every earlier token, or the last attention.sliding_window.
-LayerType = Literal["full", "sliding"]
+# How a layer mixes tokens: attention to every earlier token ("full"), to the last
+# attention.sliding_window ("sliding"), or Gated DeltaNet linear attention ("linear", decoders
+# with a `linear` sub-config: Qwen3-Next, Qwen3.5).
+LayerType = Literal["full", "sliding", "linear"]
 # Where queries and keys are normalised (RMS over the norm kind's statistics): each head's
 # head_dim features (Qwen 3, Gemma 3), or all heads' features at once (OLMo 2).
 QKNorm = Literal[names.QK_NORMS]
@@ -131,9 +134,10 @@ class AttentionConfig:
     "window:256|global:16|random:64,2", BigBird), intersected with the causal mask; for
     training and scoring (a KV cache cannot hold it)."""
     layer_types: tuple[LayerType, ...] | None = None
-    """Per layer, "full" or "sliding" (the last `sliding_window` tokens): Gemma 2 alternates
-    them, Gemma 3 has five sliding layers per full one. None: every layer "sliding" when
-    sliding_window is set, else "full"."""
+    """Per layer, "full", "sliding" (the last `sliding_window` tokens) or "linear" (Gated
+    DeltaNet, `LinearAttentionConfig`): Gemma 2 alternates full and sliding layers, Gemma 3 has
+    five sliding layers per full one, Qwen3-Next three linear ones. None: every layer "sliding"
+    when sliding_window is set, else "full"."""
     softcap: float | None = None
     """Scores become softcap · tanh(scores / softcap) before the softmax (Gemma 2); None:
     uncapped."""
@@ -150,6 +154,10 @@ class AttentionConfig:
     """A learned sink logit per head (GPT-OSS): each softmax also counts a key of that score
     and value zero, so a head may attend to nothing (`tfx.ops.dot_product_attention`'s
     sinks)."""
+    output_gate: bool = False
+    """Each head's output multiplied by sigmoid of a projection of the layer's input
+    (`tfx.nn.Attention`'s `gate`) before the output projection (Qwen3-Next, Qwen3.5, whose
+    q_proj holds it beside each head's query)."""
 
     def __post_init__(self):
         for name in ("num_kv_heads", "head_dim", "sliding_window"):
@@ -168,6 +176,7 @@ class AttentionConfig:
                 boolean(f"attention.{name}", getattr(self, name))
         one_of("attention.qk_norm", self.qk_norm, (None, *get_args(QKNorm)))
         boolean("attention.sinks", self.sinks)
+        boolean("attention.output_gate", self.output_gate)
         if self.layer_types is not None:
             self._check_layer_types()
 
@@ -226,6 +235,34 @@ class LatentConfig:
             positive_int("latent.q_lora_rank", self.q_lora_rank)
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             positive_int(f"latent.{name}", getattr(self, name))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet (`tfx.nn.GatedDeltaNet`), the token mixer of the "linear" layers of
+    attention.layer_types (Qwen3-Next, Qwen3.5): a fixed-size recurrent state per head instead
+    of a KV cache. The Hugging Face names are linear_num_value_heads, linear_num_key_heads,
+    linear_key_head_dim, linear_value_head_dim and linear_conv_kernel_dim."""
+
+    heads: int = 32
+    """Value heads, each with its own delta-rule state [key_dim, value_dim]."""
+    key_heads: int = 16
+    """Query and key heads; they divide `heads`."""
+    key_dim: int = 128
+    """Features per query and key head."""
+    value_dim: int = 128
+    """Features per value head."""
+    kernel_size: int = 4
+    """Taps of the short causal convolution over queries, keys and values."""
+    chunk_size: int = 64
+    """Tokens per chunk of the chunked delta rule (training and prefill)."""
+
+    def __post_init__(self):
+        for name in ("heads", "key_heads", "key_dim", "value_dim", "kernel_size", "chunk_size"):
+            positive_int(f"linear.{name}", getattr(self, name))
+        if self.heads % self.key_heads:
+            raise ValueError(f"linear.key_heads ({self.key_heads}) must divide linear.heads "
+                             f"({self.heads})")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -309,6 +346,9 @@ class MoeConfig:
     """Implementation of `tfx.ops.moe.experts_ffn`; None for the platform's."""
     shared_experts: int = 0
     """Experts that every token uses beside the routed ones (DeepSeek)."""
+    shared_gate: bool = False
+    """The shared experts' output scaled per token by sigmoid(x · w), w a learned [d_model]
+    vector (Qwen3-Next and Qwen3.5's shared_expert_gate); needs shared_experts."""
     first_dense: int = 0
     """The first layers keep a dense MLP of width d_ff (DeepSeek's first_k_dense_replace)."""
     renormalize: bool | None = None
@@ -352,6 +392,10 @@ class MoeConfig:
             raise ValueError(f"moe.jitter must be in [0, 1), got {self.jitter}")
         one_of("moe.dispatch", self.dispatch, (None, *get_args(MoeDispatch)))
         positive_int("moe.shared_experts", self.shared_experts, minimum=0)
+        boolean("moe.shared_gate", self.shared_gate)
+        if self.shared_gate and not self.shared_experts:
+            raise ValueError("moe.shared_gate scales the shared experts' output: set "
+                             f"moe.shared_experts >= 1, got {self.shared_experts}")
         positive_int("moe.first_dense", self.first_dense, minimum=0)
         if self.renormalize is not None:
             boolean("moe.renormalize", self.renormalize)

@@ -13,7 +13,7 @@ from tfx.nn.caches import SegmentLayer, kv_cache_layer
 from tfx.nn.dropout import make_dropout
 from tfx.nn.embeddings import LearnedPositions, SinusoidalPositions, TokenEmbedding
 from tfx.nn.relative_bias import RelativePositionBias
-from tfx.ops.attention.context_parallel import split_sequence
+from tfx.ops.attention.context_parallel import SEQUENCE_AXIS, split_sequence
 from tfx.ops.kv_cache import CacheStep, LayerKV
 from tfx.ops.masks import combine_masks
 from tfx.ops.sparse import SlidingWindow, parse_spec
@@ -165,7 +165,8 @@ class Stack(nnx.Module):
             raise ValueError("a model with an attention_pattern cannot decode with a KV cache or "
                              "Transformer-XL memory, which hold no sparse pattern: call it on "
                              "whole sequences (generation needs a dense or sliding-window model)")
-        x = split_sequence(x)  # under a mesh with a "sequence" axis: context parallelism
+        if SEQUENCE_AXIS in jax.sharding.get_abstract_mesh().axis_names:
+            x = split_sequence(x)  # context parallelism keeps the sequence split
         key_positions = positions
         if cache_step is not None:
             positions, key_positions = cache_step.query_positions, cache_step.key_positions

@@ -61,6 +61,9 @@ class Attention(nnx.Module):
       sinks: a learned sink logit per query head (GPT-OSS), `sinks` [num_heads] (zeros at
         init), counted in every softmax as a key of value zero (`tfx.ops.dot_product_attention`'s
         sinks).
+      output_gate: gate each head's output elementwise by sigmoid of a projection of the input,
+        before the output projection (Qwen3-Next, Qwen3.5): `gate`, [d_model] ->
+        [num_heads · head_dim], with the query's bias setting.
       position: how this attention encodes positions, a `tfx.nn.positions.Position` (Rotary,
         ALiBi, TransformerXL, ...); None: none (NoPE).
       implementation: an implementation of `tfx.ops.dot_product_attention` ("reference",
@@ -75,8 +78,8 @@ class Attention(nnx.Module):
                  out_bias: bool | None = None,
                  qk_norm: str | None = None, norm_eps: float = 1e-6,
                  scale: float | None = None, softcap: float | None = None,
-                 sinks: bool = False, position: Position | None = None,
-                 implementation: str | None = None,
+                 sinks: bool = False, output_gate: bool = False,
+                 position: Position | None = None, implementation: str | None = None,
                  block_sizes: tuple[int, int] | None = None, dtype=None,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -107,6 +110,8 @@ class Attention(nnx.Module):
                                bias_metadata=axes.metadata(bias_axes) if bias_axes else {})
 
         self.query = linear(d_model, num_heads * head_dim, axes.EMBED, axes.HEADS, axes.HEADS)
+        self.gate = (linear(d_model, num_heads * head_dim, axes.EMBED, axes.HEADS, axes.HEADS)
+                     if output_gate else None)
         self.key = linear(kv_features, num_kv_heads * head_dim, axes.EMBED, axes.HEADS,
                           axes.HEADS)
         self.value = linear(kv_features, num_kv_heads * head_dim, axes.EMBED, axes.HEADS,
@@ -169,7 +174,10 @@ class Attention(nnx.Module):
         out = keys.attention(query, scale=self.scale, softcap=self.softcap,
                              implementation=self.implementation, block_sizes=self.block_sizes,
                              sinks=None if self.sinks is None else self.sinks[...])
-        out = self.out(out.reshape(*x.shape[:2], self.num_heads * self.head_dim))
+        out = out.reshape(*x.shape[:2], self.num_heads * self.head_dim)
+        if self.gate is not None:  # heads' features in the same order as the gate's
+            out = out * jax.nn.sigmoid(self.gate(x)).astype(out.dtype)
+        out = self.out(out)
         return out if cache is None else (out, cache)
 
     def attended(self, keys: Keys) -> Keys:

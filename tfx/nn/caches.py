@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from tfx.nn.attention import Keys, NoCache
 from tfx.ops.attention.paged import PAGED_IMPLEMENTATIONS, paged_attention
 from tfx.ops.kv_cache import CacheStep, LatentKV, LayerKV, write
+from tfx.ops.linear_attention import DeltaState
 from tfx.ops.masks import combine_masks
 from tfx.ops.paged import PagedKV, PagedStep, write_pages
 
@@ -115,7 +116,11 @@ class PagedLayer(NoCache):
                          query_positions=self.step.query_positions), kv
 
 
-def kv_cache_layer(kv: LayerKV | LatentKV | PagedKV, step: CacheStep | PagedStep) -> NoCache:
+def kv_cache_layer(kv: LayerKV | LatentKV | PagedKV | DeltaState,
+                   step: CacheStep | PagedStep) -> NoCache | DeltaState:
     """The cache kind of one layer for a call planned as `step`: `PagedLayer` for a paged
-    cache's `PagedStep`, else `KVLayer`."""
+    cache's `PagedStep`, else `KVLayer`; a linear layer's `DeltaState` as it is (its memory
+    is the same whatever the step)."""
+    if isinstance(kv, DeltaState):
+        return kv
     return (PagedLayer if isinstance(step, PagedStep) else KVLayer)(kv, step)

@@ -6,12 +6,11 @@ value_dim), the step sizes β and the decay rates; run the short causal convolut
 [queries | keys | values] (SiLU after it); L2-normalise queries and keys; mix tokens with the
 gated delta rule (`tfx.ops.linear_attention`); RMS-normalise each head's output and multiply it
 by SiLU(gate); project back. Its memory is a `DeltaState`: the convolution's last inputs and the
-delta rule's state, a fixed size however long the sequence is.
+delta rule's state, a fixed size however long the sequence is (`tfx.ops.linear_attention.
+DeltaState`, with the states before the last tokens when a cache must be able to forget them).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -19,24 +18,17 @@ from flax import nnx
 
 from tfx.nn import axes
 from tfx.nn.linear import flat_linear
-from tfx.ops.linear_attention import causal_conv1d, gated_delta_recurrent, gated_delta_rule
+from tfx.ops.linear_attention import (
+    DeltaState,
+    causal_conv1d,
+    empty_state,
+    gated_delta_recurrent,
+    gated_delta_rule,
+    record,
+)
 from tfx.ops.norms import rms_norm
 
 __all__ = ["DeltaState", "GatedDeltaNet"]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DeltaState:
-    """What a Gated DeltaNet layer remembers of the tokens before a call.
-
-    conv: [batch, kernel_size - 1, 2 · key_heads · key_dim + heads · value_dim], the last
-      inputs of the short convolution; delta: [batch, heads, key_dim, value_dim] float32, the
-      delta rule's state.
-    """
-
-    conv: jax.Array
-    delta: jax.Array
 
 
 class GatedDeltaNet(nnx.Module):
@@ -88,13 +80,26 @@ class GatedDeltaNet(nnx.Module):
         self.dt_bias = nnx.Param(jnp.ones((heads,), param_dtype))
         self.norm_scale = nnx.Param(jnp.ones((value_dim,), param_dtype))
 
-    def __call__(self, x: jax.Array, state: DeltaState | None = None):
+    def __call__(self, x: jax.Array, state: DeltaState | None = None, *,
+                 token_mask: jax.Array | None = None):
         """[batch, seq, d_model] -> [batch, seq, d_model]; with a `state` (the layer's memory
-        of earlier tokens), also the next state."""
+        of earlier tokens), also the next state.
+
+        token_mask: bool [batch, seq], False for padding, which is skipped: read as zeros (as
+          Hugging Face's layer reads them), it moves nothing into the convolution's state and
+          neither decays nor writes the delta rule's state, so a padded call leaves the state
+          that the real tokens alone leave.
+        """
         batch, seq, _ = x.shape
+        keep = None if token_mask is None else token_mask.astype(bool)
+        if keep is not None:
+            x = jnp.where(keep[..., None], x, jnp.zeros((), x.dtype))
+        history = None if state is None else state.history
+        last = 0 if history is None else min(history.size, seq)  # tokens whose states it keeps
         mixed = jnp.concatenate([self.query(x), self.key(x), self.value(x)], axis=-1)
-        mixed, conv_state = causal_conv1d(mixed, self.conv[...].astype(mixed.dtype),
-                                          state=None if state is None else state.conv)
+        mixed, conv_state, *conv_before = causal_conv1d(
+            mixed, self.conv[...].astype(mixed.dtype),
+            state=None if state is None else state.conv, token_mask=keep, history=last)
         mixed = jax.nn.silu(mixed)
         width = self.key_heads * self.key_dim
         query, key, value = jnp.split(mixed, [width, 2 * width], axis=-1)
@@ -104,25 +109,50 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(self.beta(x).astype(jnp.float32))
         log_decay = -jnp.exp(self.a_log[...]) * jax.nn.softplus(
             self.decay(x).astype(jnp.float32) + self.dt_bias[...])
+        if keep is not None:  # padding neither decays nor writes the state
+            beta, log_decay = (jnp.where(keep[..., None], t, 0.0) for t in (beta, log_decay))
         initial = None if state is None else state.delta
-        if state is not None and seq == 1:  # a decoding step: the token loop is the cheapest
-            out, delta = gated_delta_recurrent(query, key, value, log_decay, beta,
-                                               initial_state=initial)
+        rule = (query, key, value, log_decay, beta)
+        if last:  # the last tokens one by one, keeping the state before each
+            out, delta, history = self._with_history(rule, initial, history, conv_before[0],
+                                                     keep, last)
+        elif state is not None and seq == 1:  # a decoding step: the token loop is the cheapest
+            out, delta = gated_delta_recurrent(*rule, initial_state=initial)
         else:
-            out, delta = gated_delta_rule(query, key, value, log_decay, beta,
-                                          initial_state=initial, chunk_size=self.chunk_size)
+            out, delta = gated_delta_rule(*rule, initial_state=initial,
+                                          chunk_size=self.chunk_size)
         gate = self.gate(x).reshape(batch, seq, self.heads, self.value_dim)
         out = rms_norm(out, self.norm_scale[...], epsilon=self.norm_eps) * jax.nn.silu(
             gate.astype(jnp.float32)).astype(out.dtype)
         out = self.out(out.reshape(batch, seq, self.heads * self.value_dim))
-        return out if state is None else (out, DeltaState(conv_state, delta))
+        return out if state is None else (out, DeltaState(conv_state, delta, history))
 
-    def empty_state(self, batch: int, dtype=jnp.float32) -> DeltaState:
-        """The memory before the first token: zeros."""
-        channels = self.conv.shape[1]
-        return DeltaState(
-            jnp.zeros((batch, self.conv.shape[0] - 1, channels), dtype),
-            jnp.zeros((batch, self.heads, self.key_dim, self.value_dim), jnp.float32))
+    def _with_history(self, rule, initial, history, conv_before, keep, last: int):
+        """The delta rule over a call whose state keeps a history: chunked over all but the
+        `last` tokens, then token by token, recording the states before each of those.
+        Returns (output, final delta state, the updated DeltaHistory)."""
+        seq = rule[0].shape[1]
+        head = [t[:, :seq - last] for t in rule]
+        outs = []
+        if seq > last:
+            out, initial = gated_delta_rule(*head, initial_state=initial,
+                                            chunk_size=self.chunk_size)
+            outs.append(out)
+        out, delta, after = gated_delta_recurrent(*(t[:, seq - last:] for t in rule),
+                                                  initial_state=initial, states=True)
+        before = jnp.concatenate([initial[:, None], after[:, :-1]], axis=1)
+        keep = jnp.ones(rule[0].shape[:2], bool) if keep is None else keep
+        history = record(history, conv_before, before, keep[:, seq - last:],
+                         jnp.sum(keep[:, :seq - last], axis=1, dtype=jnp.int32))
+        return jnp.concatenate([*outs, out], axis=1), delta, history
+
+    def empty_state(self, batch: int, dtype=jnp.float32, history: int = 0) -> DeltaState:
+        """The memory before the first token: zeros; with `history` > 0 it also keeps the
+        states before each of its last `history` tokens, so that a cache can forget up to
+        that many (`tfx.ops.linear_attention.rewind_state`)."""
+        return empty_state(batch, kernel_size=self.conv.shape[0], channels=self.conv.shape[1],
+                           heads=self.heads, key_dim=self.key_dim, value_dim=self.value_dim,
+                           dtype=dtype, history=history)
 
 
 def _unit(x: jax.Array, eps: float = 1e-6) -> jax.Array:

@@ -83,6 +83,9 @@ class MoE(nnx.Module):
         "onehot", "ragged" or "megablox".
       shared_experts: that many always-active experts (one MLP of width shared · d_ff) whose
         output is added to the routed experts' (DeepSeek).
+      shared_gate: scale the shared experts' output per token by sigmoid(x · w), `shared_gate`
+        a [d_model, 1] projection (Qwen3-Next, Qwen3.5's shared_expert_gate); needs
+        shared_experts.
       renormalize: divide each token's k weights by their sum; None: when k > 1
         (transformers' norm_topk_prob).
       num_groups: DeepSeek-V3's group-limited routing ("deepseek"): each token's experts
@@ -102,7 +105,8 @@ class MoE(nnx.Module):
                  activation: str = "silu", gated: bool = True,
                  capacity_factor: float | None = None, policy: str = "topk",
                  jitter: float = 0.0, implementation: str | None = None,
-                 shared_experts: int = 0, renormalize: bool | None = None,
+                 shared_experts: int = 0, shared_gate: bool = False,
+                 renormalize: bool | None = None,
                  num_groups: int = 1, groups_per_token: int = 1, routed_scale: float = 1.0,
                  router_bias: bool = False, expert_bias: bool = False,
                  swiglu_limit: float | None = None, swiglu_alpha: float = 1.702,
@@ -113,6 +117,9 @@ class MoE(nnx.Module):
         # A bad option fails here, naming it, rather than at the first call.
         moe.check_routing_options(num_experts, experts_per_token, **routing)
         _check_expert_form(activation, gated, shared_experts, expert_bias, swiglu_limit)
+        if shared_gate and not shared_experts:
+            raise ValueError("shared_gate scales the shared experts' output: it needs "
+                             f"shared_experts >= 1, got {shared_experts}")
         # Replicated: every device routes its own tokens over all experts.
         self.router = flat_linear(d_model, num_experts, use_bias=router_bias,
                                   param_dtype=param_dtype, rngs=rngs,
@@ -130,6 +137,11 @@ class MoE(nnx.Module):
         self.shared = (MLP(d_model, shared_experts * d_ff, activation=activation, gated=gated,
                            use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                        if shared_experts else None)
+        # One logit per token, replicated as the router is.
+        self.shared_gate = (flat_linear(d_model, 1, use_bias=False, dtype=dtype,
+                                        param_dtype=param_dtype, rngs=rngs,
+                                        kernel_metadata=axes.metadata(None, None))
+                            if shared_gate else None)
         deepseek = policy == "deepseek"
         self.selection_bias = (nnx.Param(jnp.zeros((num_experts,), jnp.float32)) if deepseek
                                else None)
@@ -175,7 +187,12 @@ class MoE(nnx.Module):
             if self.expert_load is not None:
                 self.expert_load.set_value(moe.expert_load(routing, self.experts.up.shape[0]))
         out = out.reshape(x.shape)
-        return out if self.shared is None else out + self.shared(x)
+        if self.shared is None:
+            return out
+        shared = self.shared(x)
+        if self.shared_gate is not None:
+            shared = shared * jax.nn.sigmoid(self.shared_gate(x)).astype(shared.dtype)
+        return out + shared
 
 
 def _check_expert_form(activation: str, gated: bool, shared_experts: int, expert_bias: bool,

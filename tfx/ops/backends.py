@@ -9,7 +9,7 @@ a platform outside the tables (a plugin) gets tfx's portable kernels. `current_p
 one place the running platform is read (tests replace it to fake another).
 
 Attention: the kernels are records (name, needs, run) in `tfx.ops.attention`; the table
-`tfx.ops.attention.table.KERNELS` orders them and `tfx.ops.attention.selection` selects and
+`tfx.ops.attention.table.KERNELS` orders them and `tfx.ops.attention.dispatch` selects and
 runs from it. Paged attention's records are `tfx.ops.attention.paged.PAGED_KERNELS`. This module
 re-exports their selection functions (`select_attention`, `attention_unavailable`,
 `AttentionCase`, `select_paged_attention`, ...) under their old names.
@@ -46,9 +46,9 @@ _ALIASES = {"cuda": "gpu", "rocm": "gpu"}
 
 # Attention selection lives with the kernels' records (tfx.ops.attention); loaded on first use.
 __getattr__, __dir__ = lazy_exports(__name__, {
-    **{name: f"tfx.ops.attention.selection:{name}" for name in (
-        "ATTENTION_NEEDS", "ATTENTION_PREFERENCE", "BLOCKED_MIN_SCORES",
-        "attention_unavailable", "select_attention")},
+    **{name: f"tfx.ops.attention.dispatch:{name}" for name in (
+        "ATTENTION_NEEDS", "ATTENTION_PREFERENCE", "attention_unavailable", "select_attention")},
+    "BLOCKED_MIN_SCORES": "tfx.ops.attention.blocked:BLOCKED_MIN_SCORES",
     "AttentionCase": "tfx.ops.attention.kernel:AttentionCase",
     **{name: f"tfx.ops.attention.paged:{name}" for name in (
         "PAGED_IMPLEMENTATIONS", "PagedCase", "paged_unavailable", "select_paged_attention")},

@@ -18,7 +18,10 @@ Visibility is computed from positions (valid, causal, within the window), which 
 buffer exact however far decoding runs past the window.
 
 One call of a model with a cache is planned once (`KVCache.plan`, shared by every layer) and then
-each layer writes and reads its own keys and values (`write`).
+each layer writes and reads its own keys and values (`write`). A hybrid model's linear-attention
+layers hold a fixed-size `tfx.ops.linear_attention.DeltaState` in their place of `layers`: it
+follows its rows in `take`, counts in `state_bytes` rather than `bytes_per_token`, and rewinds
+from the states it kept before its last tokens.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import jax.numpy as jnp
 
 from tfx.ops import _checks
 from tfx.ops._scatter import set_dropping
+from tfx.ops.linear_attention.state import DeltaState, rewind_state
 
 __all__ = [
     "CacheStep",
@@ -119,33 +123,42 @@ class KVCache:
     """A decoder's cache: per-layer keys/values and the slot bookkeeping the layers share.
 
     layers: tuple of LayerKV (or LatentKV), one per layer, or one with a leading [num_layers]
-      axis.
+      axis; a hybrid model's linear-attention layers hold a fixed-size `DeltaState` instead.
     positions: int32 [batch, cache_len], true position held by each slot, -1 when empty.
     next_position: int32 [batch], the true position of each sequence's next token.
     window: sliding-window size when the cache is a ring buffer of `window` slots, else None.
     """
 
-    layers: tuple[LayerKV | LatentKV, ...] | LayerKV | LatentKV
+    layers: tuple[LayerKV | LatentKV | DeltaState, ...] | LayerKV | LatentKV
     positions: jax.Array
     next_position: jax.Array
     window: int | None = _static()
 
     @property
     def nbytes(self) -> int:
-        """Bytes of cached keys and values (the bookkeeping is negligible)."""
+        """Bytes of cached keys and values and of recurrent states (the bookkeeping is
+        negligible)."""
         layers = self.layers if isinstance(self.layers, tuple) else (self.layers,)
         return sum(layer.nbytes for layer in layers)
 
     @property
+    def state_bytes(self) -> int:
+        """Bytes of the linear-attention layers' states (`DeltaState`, their histories
+        included): fixed whatever the sequence length, 0 for a model of attention layers."""
+        layers = self.layers if isinstance(self.layers, tuple) else (self.layers,)
+        return sum(layer.nbytes for layer in layers if isinstance(layer, DeltaState))
+
+    @property
     def bytes_per_token(self) -> int:
-        """Cache bytes one token costs, all layers together: per layer 2 · num_kv_heads ·
-        head_dim · itemsize for keys and values (MHA/GQA/MQA), (kv_lora_rank +
-        qk_rope_head_dim) · itemsize for a latent cache (`init_latent_cache`)."""
-        return self.nbytes // self.positions.size
+        """Cache bytes one token costs, all attention layers together: per layer 2 ·
+        num_kv_heads · head_dim · itemsize for keys and values (MHA/GQA/MQA), (kv_lora_rank +
+        qk_rope_head_dim) · itemsize for a latent cache (`init_latent_cache`); linear-attention
+        layers cost none (`state_bytes`)."""
+        return (self.nbytes - self.state_bytes) // self.positions.size
 
     def take(self, rows: jax.Array) -> KVCache:
         """The cache of sequences `rows` (int [new_batch]), e.g. to expand a batch into beams
-        or to follow the beams that survived a step."""
+        or to follow the beams that survived a step (recurrent states follow their rows)."""
         stacked = not isinstance(self.layers, tuple)
         layers = jax.tree.map(lambda x: jnp.take(x, rows, axis=1 if stacked else 0), self.layers)
         return KVCache(layers=layers, positions=self.positions[rows],
@@ -156,23 +169,30 @@ class KVCache:
         draft tokens that speculative decoding rejected: those slots become empty (position -1,
         so no query sees them) and each row continues at its new next position. The keys and
         values stay in place until the next tokens overwrite them; positions alone decide what
-        is visible.
+        is visible. A linear-attention layer's `DeltaState` takes the state it had at the new
+        length from its history (`tfx.ops.linear_attention.rewind_state`).
 
         Args:
           next_position: int [batch]; a row already shorter keeps its length (rewinding never
             invents tokens).
         Returns:
-          the rewound KVCache (same layers, positions and next_position updated).
+          the rewound KVCache (layers, positions and next_position updated).
         Raises:
           ValueError: for a ring buffer (sliding window shorter than the cache), whose slots
-            already hold later tokens in place of the earlier ones that a rewind would need.
+            already hold later tokens in place of the earlier ones that a rewind would need,
+            or for recurrent states kept without a history (`init_cache(..., rewind=n)`).
         """
         if self.window is not None:
             raise ValueError(f"a ring-buffer KV cache (sliding window {self.window} shorter than "
                              f"the sequence) cannot be rewound: its slots were overwritten")
         next_position = jnp.minimum(jnp.asarray(next_position, jnp.int32), self.next_position)
         positions = jnp.where(self.positions >= next_position[:, None], -1, self.positions)
-        return dataclasses.replace(self, positions=positions, next_position=next_position)
+        layers = self.layers
+        if isinstance(layers, tuple):
+            layers = tuple(rewind_state(layer, next_position) if isinstance(layer, DeltaState)
+                           else layer for layer in layers)
+        return dataclasses.replace(self, layers=layers, positions=positions,
+                                   next_position=next_position)
 
     def plan(self, valid: jax.Array) -> tuple[CacheStep, KVCache]:
         """Place a call's new tokens.

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from tfx.ops import _checks
 from tfx.ops._scatter import set_dropping
+from tfx.ops.linear_attention.state import DeltaState
 
 __all__ = ["PagedCache", "PagedKV", "PagedStep", "init_paged_cache", "write_pages"]
 
@@ -77,13 +78,15 @@ class PagedStep:
 class PagedCache:
     """A decoder's paged cache: per-layer page pools and the page table they share.
 
-    layers: tuple of PagedKV, one per layer, or one with a leading [num_layers] axis.
+    layers: tuple of PagedKV, one per layer, or one with a leading [num_layers] axis; a hybrid
+      model's linear-attention layers hold a `DeltaState` of one fixed-size state per row of
+      the engine instead (no pages).
     page_table: int32 [batch, pages_per_seq], pool page of each logical page, -1 for none.
     next_position: int32 [batch], the true position of each sequence's next token.
     page_size: tokens per page.
     """
 
-    layers: tuple[PagedKV, ...] | PagedKV
+    layers: tuple[PagedKV | DeltaState, ...] | PagedKV
     page_table: jax.Array
     next_position: jax.Array
     page_size: int = _static()
@@ -95,12 +98,22 @@ class PagedCache:
 
     @property
     def num_pages(self) -> int:
-        return jax.tree.leaves(self.layers)[0].shape[-3]
+        """Pages of each attention layer's pool (0 for a model without attention layers)."""
+        layers = self.layers if isinstance(self.layers, tuple) else (self.layers,)
+        pools = [layer for layer in layers if isinstance(layer, PagedKV)]
+        return pools[0].key.shape[-3] if pools else 0
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the page pools (the page table is negligible)."""
+        """Bytes of the page pools and of recurrent states (the page table is negligible)."""
         return sum(array.nbytes for array in jax.tree.leaves(self.layers))
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the linear-attention layers' states (`DeltaState`), 0 without such
+        layers."""
+        layers = self.layers if isinstance(self.layers, tuple) else (self.layers,)
+        return sum(layer.nbytes for layer in layers if isinstance(layer, DeltaState))
 
     def plan(self, valid: jax.Array) -> tuple[PagedStep, PagedCache]:
         """Place a call's new tokens after each sequence's last.

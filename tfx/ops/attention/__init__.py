@@ -2,10 +2,10 @@
 
 Each kernel is a record (`kernel.Kernel`: name, needs, run) in its own module: `reference`,
 `blocked` (with its tiles: `blocked_attention`, `blocked_pieces`, `block_plan`, `tile_sizes`,
-`residue_order`, `score_products`), `gpu` (cuDNN, Pallas GPU), `splash` (TPU),
-`context_parallel`; `paged` holds the paged-cache kernels. `table.KERNELS` lists them, one line
-each, and `selection` selects and runs from that one table; `dispatch` is the public entry
-point. A new kernel is its module and one line in `table`.
+`residue_order`), `gpu` (cuDNN, Pallas GPU), `splash` (TPU), `context_parallel`; `paged` holds
+the paged-cache kernels. `table.KERNELS` lists them, one line each, and `dispatch`, the public
+entry point, selects and runs from that one table. A new kernel is its module and one line in
+`table`.
 
 This package imports nothing on import (its exports load on first use), so the kernel names
 (`IMPLEMENTATIONS`, from `table`) are importable without jax.

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from tfx.ops.attention.blocked_attention import ScoreInputs
 from tfx.ops.attention.blocked_pieces import Piece, pieced_attention
-from tfx.ops.attention.kernel import Call, Kernel
+from tfx.ops.attention.kernel import Call, Kernel, scores_at_least
 from tfx.ops.attention.reference import grouped
 from tfx.ops.attention.tile_sizes import choose_block_sizes, choose_pieces
 
@@ -53,9 +53,5 @@ def _blocked(query, key, value, bias, mask, segments, scores, pieces, sinks=None
     return out.reshape(batch, q_len, num_heads, value.shape[-1]).astype(value.dtype)
 
 
-def _large(case) -> bool:
-    """Small problems are faster in one fused piece (the reference kernel)."""
-    return case.q_len * case.kv_len >= BLOCKED_MIN_SCORES
-
-
-KERNEL = Kernel("blocked", _run, when=_large)
+# Small problems are faster in one fused piece (the reference kernel).
+KERNEL = Kernel("blocked", _run, when=scores_at_least(BLOCKED_MIN_SCORES))

@@ -52,7 +52,7 @@ from tfx.ops.attention.blocked_attention import (
     blocked_attention_forward,
 )
 from tfx.ops.attention.context_layout import ChunkLayout, pair_plans
-from tfx.ops.attention.kernel import Call, Kernel, key_mask_only, without
+from tfx.ops.attention.kernel import Call, Kernel, at_least, key_mask_only, without
 from tfx.ops.attention.splash import call_segment_ids
 from tfx.ops.backends import select_context_exchange
 from tfx.ops.sparse import SparsitySpec
@@ -369,11 +369,6 @@ def _at(ids: jax.Array | None, index: int) -> jax.Array | None:
     return None if ids is None else ids[index]
 
 
-def _sequence_split(platform, case):
-    if case.sequence_devices < 2:
-        return "a mesh with a \"sequence\" axis of size >= 2 (inside jax.set_mesh)"
-
-
 def _context_lengths(platform, case):
     # Self-attention whose length cuts into 2 chunks per device (causal load balance).
     chunks = case.sequence_devices * (1 if case.spec is None else 2)
@@ -391,7 +386,10 @@ def _run(call: Call) -> jax.Array:
 
 
 # Tried first on every platform: under a mesh that splits the sequence, attention that can run
-# context-parallel does; its tiles use the blocked kernel (which soft-caps).
+# context-parallel does; its tiles use the blocked kernel (which soft-caps). The mesh is the
+# first need, so that selection without one stops there.
+_SEQUENCE_SPLIT = at_least("sequence_devices", 2,
+                           'a mesh with a "sequence" axis of size >= 2 (inside jax.set_mesh)')
 KERNEL = Kernel("context_parallel", _run,
-                needs=(_sequence_split, without("has_bias", "bias"),
+                needs=(_SEQUENCE_SPLIT, without("has_bias", "bias"),
                        without("has_sinks", "sinks"), key_mask_only, _context_lengths))

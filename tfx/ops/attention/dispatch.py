@@ -1,33 +1,43 @@
 """Scaled dot-product attention: MHA, GQA and MQA, masks, bias, sparsity, self and cross.
 
 The public entry point validates its arguments, folds `is_causal` and `sparsity` into one static
-spec, and runs the kernel record (`tfx.ops.attention.kernel.Kernel`) that
-`tfx.ops.attention.selection` picks from the table for the platform. "reference" materialises
-the [B, H, T, S] scores and is the definition every faster kernel is tested against.
+spec, selects a kernel record (`tfx.ops.attention.kernel.Kernel`) from the table for the
+platform, and runs it: the table that selects a kernel is the one that runs it. "reference"
+materialises the [B, H, T, S] scores and is the definition every faster kernel is tested
+against.
+
+Selection is pure Python on static facts (shapes, dtypes, which optional inputs are present,
+the static mask spec), so it runs at trace time and is unit-tested by passing the platform name
+("cpu", "gpu", "tpu") instead of reading `jax.default_backend()`.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from tfx.ops import _checks
+from tfx.ops.attention import table
 from tfx.ops.attention.context_parallel import SEQUENCE_AXIS
-from tfx.ops.attention.kernel import AttentionCase, Call
-from tfx.ops.attention.reference import reference_attention
-from tfx.ops.attention.score_products import key_query_scores
-from tfx.ops.attention.selection import attention_unavailable, kernel, select_attention
+from tfx.ops.attention.kernel import AttentionCase, Call, Kernel, Need
+from tfx.ops.attention.reference import key_query_scores, reference_attention
 from tfx.ops.attention.table import IMPLEMENTATIONS
-from tfx.ops.backends import current_platform
+from tfx.ops.backends import PLATFORMS, current_platform, platform_name
 from tfx.ops.sparse import Causal, SparsitySpec
 
 __all__ = [
+    "ATTENTION_NEEDS",
+    "ATTENTION_PREFERENCE",
     "IMPLEMENTATIONS",
+    "KERNELS",
+    "attention_unavailable",
     "cached_attention",
     "dot_product_attention",
+    "select_attention",
     "static_spec",
 ]
 
@@ -149,8 +159,7 @@ def dot_product_attention(
     segments = (query_segment_ids, key_segment_ids)
     call = Call(query, key, value, bias, mask, segments, spec, scale, softcap, mesh, block_sizes,
                 platform, sinks)
-    return kernel(implementation).run(call)
-
+    return KERNELS[implementation].run(call)
 
 
 def _one_example(query, key, value, *, bias, mask, query_segment_ids, key_segment_ids,
@@ -188,7 +197,7 @@ def cached_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
     layout differs. Heads-major lets XLA contract every head without first transposing the whole
     cache, which on CPU made decoding attention ~2.5x slower in the [batch, kv_len, heads, dim]
     layout (measured: GPT-2 width 384, batch 8, 192 cached tokens). The scores are computed as
-    K·Qᵀ (`tfx.ops.attention.score_products.key_query_scores`), which reads the cache as stored at
+    K·Qᵀ (`tfx.ops.attention.reference.key_query_scores`), which reads the cache as stored at
     batch 1 and with one KV head too.
 
     Args:
@@ -243,7 +252,7 @@ def _check_heads(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
 def _case(query, key, value, bias, mask, has_segments: bool, cross_segments: bool, spec,
           mesh: jax.sharding.AbstractMesh, *, has_softcap: bool,
           has_sinks: bool) -> AttentionCase:
-    """The static facts of a call that `tfx.ops.attention.selection` selects its kernel by."""
+    """The static facts of a call that `select_attention` selects its kernel by."""
     return AttentionCase(
         dtype=query.dtype, q_len=query.shape[1], kv_len=key.shape[1], num_heads=query.shape[2],
         num_kv_heads=key.shape[2], head_dim=query.shape[3], value_dim=value.shape[3],
@@ -279,6 +288,48 @@ def _resolve_implementation(implementation: str | None, platform: str,
     return implementation
 
 
+def _load(name: str, reference: str) -> Kernel:
+    """The record that the table's line `name: "module:attribute"` points at."""
+    module, _, attribute = reference.partition(":")
+    record = getattr(importlib.import_module(module), attribute)
+    if record.name != name:
+        raise ValueError(f"the table's kernel {name!r} points at the record of {record.name!r}")
+    return record
+
+
+# name -> record, in the order implementation=None tries them.
+KERNELS: dict[str, Kernel] = {name: _load(name, ref) for name, ref in table.KERNELS.items()}
+# Views of the records: what each kernel needs, and the platform-specific kernels per platform.
+ATTENTION_NEEDS: dict[str, tuple[Need, ...]] = {k.name: k.needs for k in KERNELS.values()}
+ATTENTION_PREFERENCE: dict[str, tuple[str, ...]] = {
+    platform: tuple(k.name for k in KERNELS.values() if k.platforms and platform in k.platforms)
+    for platform in PLATFORMS
+}
+
+
+def attention_unavailable(implementation: str, platform: str, case: AttentionCase) -> list[str]:
+    """What `implementation` needs that this call lacks on `platform` (empty when it can run)."""
+    return KERNELS[implementation].missing(platform_name(platform), case)
+
+
+def select_attention(platform: str, case: AttentionCase) -> str:
+    """The fastest attention kernel that can run `case` on `platform`.
+
+    Args:
+      platform: "cpu", "gpu" or "tpu", as `jax.default_backend()` names them (others get tfx's
+        portable kernels).
+      case: the static facts of the call.
+    Returns:
+      the first name of `tfx.ops.attention.table.KERNELS` tried on the platform whose needs
+      hold: "context_parallel", "cudnn", "pallas_gpu", "splash", "blocked" or "reference".
+    """
+    platform = platform_name(platform)
+    for record in KERNELS.values():
+        if record.tried_by_default(platform, case) and record.runs(platform, case):
+            return record.name
+    raise AssertionError("the reference kernel runs every call")  # it ends the table
+
+
 def _masks_keys_only(shape: tuple[int, ...]) -> bool:
     """Whether a mask of this shape (broadcastable to [batch, heads, q_len, kv_len]) can only
     mask keys: its heads and query dims are 1 (or absent)."""
@@ -303,9 +354,6 @@ def _block_sizes(block_sizes, q_len: int, kv_len: int) -> tuple[int, int] | None
     block_q = _checks.positive_int("block_sizes[0] (block_q)", block_sizes[0])
     block_k = _checks.positive_int("block_sizes[1] (block_k)", block_sizes[1])
     return min(block_q, q_len), min(block_k, kv_len)
-
-
-
 
 
 def _validate_segments(query_segments, key_segments, query_batch_len, key_batch_len) -> None:

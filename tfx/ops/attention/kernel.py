@@ -1,7 +1,7 @@
 """The attention kernel record: a name, what the kernel needs, and how it runs.
 
 Each kernel's module defines its `Kernel`; `tfx.ops.attention.table.KERNELS` names them in the
-order `implementation=None` tries them, and `tfx.ops.attention.selection` both selects and runs
+order `implementation=None` tries them, and `tfx.ops.attention.dispatch` both selects and runs
 from that one table. A need is a function `(platform, case) -> None | str`: None when it holds,
 else what is missing, phrased to follow "needs" (the error of a forced `implementation=`).
 """
@@ -17,8 +17,8 @@ import numpy as np
 
 from tfx.ops.sparse import SparsitySpec
 
-__all__ = ["AttentionCase", "Call", "Kernel", "Need", "dtype_in", "key_mask_only", "on",
-           "value_dim_is_head_dim", "without", "x64_disabled"]
+__all__ = ["AttentionCase", "Call", "Kernel", "Need", "at_least", "dtype_in", "key_mask_only", "on",
+           "scores_at_least", "value_dim_is_head_dim", "without", "x64_disabled"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +115,12 @@ class Kernel:
         needs = (need(platform, case) for need in self.needs)
         return [missing for missing in needs if missing is not None]
 
+    def runs(self, platform: str, case) -> bool:
+        """Whether this kernel can run `case` on `platform`: `missing` is empty. Stops at the
+        first need that fails, so a kernel's later (costlier) needs are asked only of calls
+        that meet its first ones."""
+        return all(need(platform, case) is None for need in self.needs)
+
     def tried_by_default(self, platform: str, case) -> bool:
         """Whether `implementation=None` tries this kernel for `case` on `platform`."""
         if self.platforms is not None and platform not in self.platforms:
@@ -138,12 +144,29 @@ def dtype_in(*names: str) -> Need:
     return need
 
 
+def at_least(field: str, minimum: int, what: str) -> Need:
+    """The need for the case's `field` to be >= `minimum`; `what` (the error's words) says what
+    gives it."""
+    def need(platform, case):
+        if getattr(case, field) < minimum:
+            return what
+    return need
+
+
 def without(field: str, what: str) -> Need:
     """The need for the case's flag `field` (a `what`) to be unset."""
     def need(platform, case):
         if getattr(case, field):
             return f"no {what} (got one)"
     return need
+
+
+def scores_at_least(count: int) -> Callable[[Any], bool]:
+    """A `when`: the call's score matrix holds at least `count` (query, key) pairs, the size
+    from which a kernel measures faster than the one after it in the table."""
+    def large(case):
+        return case.q_len * case.kv_len >= count
+    return large
 
 
 def key_mask_only(platform, case):

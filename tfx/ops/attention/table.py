@@ -2,7 +2,7 @@
 jax (the config's `AttentionImplementation` and the command line's choices read the names).
 
 Each line names a kernel and the `tfx.ops.attention.kernel.Kernel` record that defines it
-("module:attribute", loaded on first use by `tfx.ops.attention.selection`). The order is the
+("module:attribute", loaded on first use by `tfx.ops.attention.dispatch`). The order is the
 order in which `implementation=None` tries them: the first kernel tried on the platform whose
 needs all hold runs; "reference" runs everywhere, so it ends the table. A new kernel is its
 module (with its record) and one line here.

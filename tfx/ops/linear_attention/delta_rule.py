@@ -100,13 +100,15 @@ def _chunked(q, k, v, g, beta, state):
     return jnp.moveaxis(out, 0, 2), state
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
+@functools.partial(jax.jit, static_argnames=("scale", "states"))
 def gated_delta_recurrent(query: jax.Array, key: jax.Array, value: jax.Array,
                           log_decay: jax.Array, beta: jax.Array, *,
                           initial_state: jax.Array | None = None,
-                          scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+                          scale: float | None = None, states: bool = False):
     """The gated delta rule token by token (a decoding step's few tokens over a cached state).
-    Arguments and result as `gated_delta_rule`'s."""
+    Arguments and result as `gated_delta_rule`'s; with `states`, also the state after each
+    token, float32 [batch, seq, heads, key_dim, value_dim] (what a cache that may forget the
+    last tokens keeps: `tfx.ops.linear_attention.DeltaHistory`)."""
     q, k, v, g, b, state, scale = _prepared(query, key, value, log_decay, beta, initial_state,
                                             scale)
 
@@ -115,10 +117,15 @@ def gated_delta_recurrent(query: jax.Array, key: jax.Array, value: jax.Array,
         state = state * jnp.exp(g)[..., None, None]
         delta = (v - jnp.einsum("bhk,bhkv->bhv", k, state)) * b[..., None]
         state = state + k[..., :, None] * delta[..., None, :]
-        return state, jnp.einsum("bhk,bhkv->bhv", q * scale, state)
+        out = jnp.einsum("bhk,bhkv->bhv", q * scale, state)
+        return state, (out, state) if states else out
 
     xs = tuple(jnp.moveaxis(x, 2, 0) for x in (q, k, v, g, b))
     state, out = jax.lax.scan(token, state, xs)
+    if states:
+        out, after = out
+        return (jnp.moveaxis(out, 0, 1).astype(value.dtype), state,
+                jnp.moveaxis(after, 0, 1))
     return jnp.moveaxis(out, 0, 1).astype(value.dtype), state
 
 
