@@ -10,7 +10,9 @@ Two models with random weights, written by transformers' `save_pretrained` and r
 `tfx.hf.load`, so both sides decode with the same weights (float32, greedy, no EOS):
   - "hybrid": Qwen3.5's text model (Qwen3_5ForCausalLM) with 4 layers, 3 linear + 1 full
     attention, width 256;
-  - "linear": the same with all 4 layers linear, whose step cost cannot depend on the context.
+  - "linear": the same with all 4 layers linear, whose step cost cannot depend on the context
+    (tfx only: transformers 5.25's generate fails on a model without attention layers, in
+    `get_mask_sizes`).
 For each context length L (the prompt) and batch, each side generates N0 and N0 + N new tokens
 after the same prompt; one decoding step costs (time(N0 + N) - time(N0)) / N, which removes
 the prefill and the first tokens. tokens/s counts the new tokens of the whole batch per
@@ -65,7 +67,8 @@ def build(linear_only: bool, folder: pathlib.Path):
 
 
 def runners(model, hf_model, prompts: np.ndarray, new_tokens: int) -> dict:
-    """Blocking calls that generate `new_tokens` greedy tokens after `prompts` on each side."""
+    """Blocking calls that generate `new_tokens` greedy tokens after `prompts` on each side
+    (tfx alone when hf_model is None)."""
     import torch
 
     ids = jax.numpy.asarray(prompts, jax.numpy.int32)
@@ -80,25 +83,26 @@ def runners(model, hf_model, prompts: np.ndarray, new_tokens: int) -> dict:
                                      do_sample=False, max_new_tokens=new_tokens,
                                      min_new_tokens=new_tokens).numpy()
 
-    return {"tfx": ours, "transformers": theirs}
+    return {"tfx": ours} if hf_model is None else {"tfx": ours, "transformers": theirs}
 
 
 def step_seconds(model, hf_model, prompts: np.ndarray, first: int, more: int,
-                 repeats: int) -> tuple[dict, bool]:
-    """Seconds of one decoding step on each side, and whether their tokens agree."""
+                 repeats: int) -> tuple[dict, bool | None]:
+    """Seconds of one decoding step on each side, and whether their tokens agree (None
+    without transformers)."""
     short, long = (runners(model, hf_model, prompts, n) for n in (first, first + more))
-    same = np.array_equal(long["tfx"](), long["transformers"]())  # also warms both up
+    outputs = {name: run() for name, run in long.items()}  # also warms both up
+    same = None if hf_model is None else np.array_equal(outputs["tfx"], outputs["transformers"])
     short["tfx"]()
-    times = {f"{name}_{n}": [] for name in ("tfx", "transformers") for n in ("short", "long")}
+    times = {(name, n): [] for name in long for n in ("short", "long")}
     for _ in range(repeats):
-        for name in ("tfx", "transformers"):
+        for name in long:
             for n, run in (("short", short[name]), ("long", long[name])):
                 start = time.perf_counter()
                 run()
-                times[f"{name}_{n}"].append(time.perf_counter() - start)
+                times[name, n].append(time.perf_counter() - start)
     median = {k: statistics.median(v) for k, v in times.items()}
-    return {name: (median[f"{name}_long"] - median[f"{name}_short"]) / more
-            for name in ("tfx", "transformers")}, same
+    return {name: (median[name, "long"] - median[name, "short"]) / more for name in long}, same
 
 
 def measure(args) -> list[dict]:
@@ -107,6 +111,7 @@ def measure(args) -> list[dict]:
         for kind in ("hybrid", "linear"):
             folder = pathlib.Path(tmp) / kind
             model, hf_model = build(kind == "linear", folder)
+            hf_model = hf_model if kind == "hybrid" else None
             for batch in args.batches:
                 for context in args.contexts:
                     prompts = np.random.default_rng(context + batch).integers(
@@ -118,7 +123,8 @@ def measure(args) -> list[dict]:
                     for name, s in step.items():
                         row[f"{name}_step_ms"] = 1e3 * s
                         row[f"{name}_tokens_per_s"] = batch / s
-                    row["time_vs_transformers"] = step["tfx"] / step["transformers"]
+                    if "transformers" in step:
+                        row["time_vs_transformers"] = step["tfx"] / step["transformers"]
                     rows.append(row)
                     print(row, flush=True)
     return rows
@@ -129,17 +135,19 @@ def render(results: dict) -> str:
     table = markdown_table(
         ["model", "batch", "context", "tfx ms/step", "transformers ms/step", "tfx tok/s",
          "transformers tok/s", "tfx / transformers time", "same tokens"],
-        [[r["model"], r["batch"], r["context"], r["tfx_step_ms"], r["transformers_step_ms"],
-          r["tfx_tokens_per_s"], r["transformers_tokens_per_s"], r["time_vs_transformers"],
-          r["tokens_equal"]] for r in rows])
+        [[r["model"], r["batch"], r["context"], r["tfx_step_ms"], r.get("transformers_step_ms"),
+          r["tfx_tokens_per_s"], r.get("transformers_tokens_per_s"),
+          r.get("time_vs_transformers"), r["tokens_equal"]] for r in rows])
     lo, hi = min(results["contexts"]), max(results["contexts"])
     growth = []
     for r in rows:
         if r["context"] == hi:
             base = next(b for b in rows if b["model"] == r["model"] and b["batch"] == r["batch"]
                         and b["context"] == lo)
+            theirs = ("transformers_step_ms" in r
+                      and r["transformers_step_ms"] / base["transformers_step_ms"])
             growth.append([r["model"], r["batch"], r["tfx_step_ms"] / base["tfx_step_ms"],
-                           r["transformers_step_ms"] / base["transformers_step_ms"]])
+                           theirs or None])
     flat = markdown_table(["model", "batch", f"tfx step {hi}/{lo}",
                            f"transformers step {hi}/{lo}"], growth)
     p = results["provenance"]

@@ -152,6 +152,17 @@ def test_architecture_of_a_model_trained_from_scratch():
         hf_architecture(PRESETS["char-gpt"].replace(position="alibi"))
 
 
+def test_a_multimodal_base_exports_as_its_text_architecture(tmp_path):
+    # tfx.hf.load reads the text model of a multimodal checkpoint; the export is that model.
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["Qwen3_5ForConditionalGeneration"]}))
+    assert export._base_architecture(tmp_path) == "Qwen3_5ForCausalLM"
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["Qwen2_5_VLForConditionalGeneration"]}))
+    with pytest.raises(ValueError, match="none of which tfx saves"):
+        export._base_architecture(tmp_path)
+
+
 def _stored_run(workdir, experiment):
     """A workdir holding only a run's config (enough for everything export checks first)."""
     (workdir / "checkpoints").mkdir(parents=True)

@@ -42,6 +42,12 @@ def _families() -> dict:
     return by_architecture()
 
 
+def _loadable() -> dict:  # the families, and multimodal architectures read as their text
+    from tfx.hf.families import for_loading
+
+    return for_loading()
+
+
 def __getattr__(name):  # SUPPORTED and the peft reader come lazily to keep imports light
     if name == "SUPPORTED":
         return tuple(sorted(_families()))
@@ -68,6 +74,8 @@ def load(path: str | pathlib.Path, *, dtype: str | None = None, mesh=None, stric
         Without an index only `model.safetensors` is read. Every file must lie in the folder
         (index entries with absolute paths or `..`, and symlinks out of it, are refused; a
         Hugging Face cache snapshot's links into its blobs/ are fine). See `tfx.hf.io`.
+        A multimodal checkpoint (e.g. Qwen3_5ForConditionalGeneration) loads as its text
+        model, which saves as the text class (`tfx.hf.families.TextOf`).
       dtype: "float32", "bfloat16" or "float16": the parameters are stored in it and the
         model computes in it (`compute.param_dtype` and `compute.dtype`), as transformers'
         `from_pretrained(dtype=)`: a float32 file loaded as "bfloat16" takes half the memory.
@@ -161,7 +169,7 @@ def _family_and_config(folder: pathlib.Path):
     """(family module, tfx config) of the folder's config.json."""
     hf_config = io.read_config(folder)
     architecture = _architecture(hf_config, folder)
-    family = _families()[architecture]
+    family = _loadable()[architecture]
     return family, family.config_from_hf(hf_config, architecture)
 
 
@@ -210,7 +218,7 @@ def _architecture(hf_config: dict, folder: pathlib.Path) -> str:
     if not (isinstance(names, list) and all(isinstance(name, str) for name in names)):
         raise ValueError(f"{where}: \"architectures\" must be a list of class names, got "
                          f"{names!r}")
-    families = _families()
+    families = _loadable()
     for name in names:
         if name in families:
             return name

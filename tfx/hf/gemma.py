@@ -37,8 +37,12 @@ scaling such as linear) -> rope.theta and rope.scaling; "sliding_attention" (def
 rope_theta default 1e4) -> rope.local_theta. Older configs say rope_theta,
 rope_local_base_freq and rope_scaling (applied to the full layers). transformers' Gemma 3
 attention ignores attn_logit_softcapping, so a config that sets it is refused rather than read
-two ways. Only the text model is mapped: Gemma3ForConditionalGeneration's vision tower and
-projector are left out.
+two ways. Gemma3ForConditionalGeneration checkpoints (the Hub's Gemma 3 of 4B and up,
+`MULTIMODAL`) load as their text model (`tfx.hf.families.TextOf`): text_config, with the top
+level's tie_word_embeddings, and the tensors `language_model.model.*` /
+`language_model.lm_head.weight` (what save_pretrained writes) or `model.language_model.*` /
+`lm_head.weight` (transformers' module names); the vision tower and projector are not read,
+and such a model saves as Gemma3ForCausalLM.
 
 Refused (ValueError naming the field): another hidden_activation, attention_bias,
 use_bidirectional_attention, sliding_window None (transformers' Gemma cannot run without one),
@@ -54,11 +58,12 @@ import math
 import numpy as np
 
 from tfx.hf import decoder_parts, plan
+from tfx.hf.families import Multimodal
 from tfx.models import families
 from tfx.models.config import DecoderConfig
 
-__all__ = ["ARCHITECTURES", "CARDS", "IGNORED", "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf",
-           "params_from_hf", "params_to_hf", "steps", "tensor_names"]
+__all__ = ["ARCHITECTURES", "CARDS", "IGNORED", "MULTIMODAL", "OPTIONAL_PARAMS", "config_from_hf",
+           "config_to_hf", "params_from_hf", "params_to_hf", "steps", "tensor_names"]
 
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 ARCHITECTURES = (GEMMA2, GEMMA3)
@@ -66,6 +71,12 @@ OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
 IGNORED = decoder_parts.IGNORED  # rotary frequency buffers of older checkpoints
 # What every Gemma 2 / 3 is (tfx.models.families): set on load, checked on save.
 CARDS = {GEMMA2: families.GEMMA2, GEMMA3: families.GEMMA3}
+# The image-text model whose text model is Gemma 3 (tfx.hf.families.for_loading).
+MULTIMODAL = {"Gemma3ForConditionalGeneration": Multimodal(GEMMA3, {
+    "language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+    "model.language_model.": "model.", "lm_head.": "lm_head."}, (
+    "vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+    "model.multi_modal_projector."), tie_word_embeddings=True)}
 
 _MODEL_TYPES = {GEMMA2: "gemma2", GEMMA3: "gemma3_text"}
 _LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}

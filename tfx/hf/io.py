@@ -60,13 +60,18 @@ def read_config(folder: pathlib.Path) -> dict:
 def read_generation_config(folder: pathlib.Path) -> GenerationConfig:
     """The decoding defaults of a checkpoint folder: its generation_config.json, else (as
     transformers' `GenerationConfig.from_model_config`) the same fields of its config.json,
-    each over transformers' defaults (`tfx.generation.config`). ValueError names the file and
-    field at fault."""
+    those it leaves out or sets to null taken from its "text_config" (a multimodal
+    checkpoint's text model), each over transformers' defaults (`tfx.generation.config`).
+    ValueError names the file and field at fault."""
     path = inside(folder, _GENERATION, str(folder / _GENERATION))
-    if not path.is_file():
-        path = inside(folder, "config.json", str(folder / "config.json"))
-    return GenerationConfig.from_hf(read_json(path, dict, "a checkpoint folder needs its "
-                                              "config.json"), str(path))
+    if path.is_file():
+        return GenerationConfig.from_hf(read_json(path, dict, ""), str(path))
+    path = inside(folder, "config.json", str(folder / "config.json"))
+    fields = read_json(path, dict, "a checkpoint folder needs its config.json")
+    text = fields.get("text_config")
+    if isinstance(text, dict):
+        fields = {**text, **{key: value for key, value in fields.items() if value is not None}}
+    return GenerationConfig.from_hf(fields, str(path))
 
 
 def read_json(path: pathlib.Path, kind: type, missing: str) -> dict | list:

@@ -20,7 +20,7 @@ import numpy as np
 
 from tfx.hf.io import Checkpoint
 
-__all__ = ["FLOAT_DTYPES", "Step", "check", "convert", "copy", "run", "tied"]
+__all__ = ["FLOAT_DTYPES", "Step", "check", "convert", "copy", "renamed", "run", "tied"]
 
 Path = tuple[str | int, ...]
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
@@ -62,6 +62,21 @@ def tied(copy_name: str, source: str, why: str = "") -> Step:
     only to check that it equals `source`, so a checkpoint that unties them is not misread."""
     return Step((), (copy_name, source), functools.partial(_check_tied, copy_name, source, why),
                 f"the checkpoint's {copy_name} is tied to it")
+
+
+def renamed(steps: Sequence[Step], name: Callable[[str], str]) -> list[Step]:
+    """The same steps reading each source tensor `n` as `name(n)` (its name in another layout
+    of the checkpoint, e.g. the text model's tensors inside a multimodal one); a `tied` check
+    names the renamed tensors in its error."""
+    out = []
+    for step in steps:
+        sources = tuple(map(name, step.sources))
+        check = step.convert
+        if isinstance(check, functools.partial) and check.func is _check_tied:
+            out.append(tied(*sources, check.args[2]))
+        else:
+            out.append(dataclasses.replace(step, sources=sources))
+    return out
 
 
 def _same(value: np.ndarray) -> tuple[np.ndarray]:

@@ -18,9 +18,13 @@ query, key, value; `in_proj_z` -> gate, `in_proj_b` -> beta, `in_proj_a` -> deca
 Rotary positions: the text models rotate with multimodal sections (rope_parameters'
 mrope_section), which for text, whose three position components are equal, is plain rotary
 over the partial_rotary_factor of each head; the section fields are not read.
-Only the text models are mapped: Qwen3_5ForConditionalGeneration's vision tower is not, and
-its checkpoints (`model.language_model.*`) are not read. The multi-token-prediction tensors
-(`mtp.*`) are not read, as transformers does not read them.
+The checkpoints the Hub has, `Qwen3_5ForConditionalGeneration` and
+`Qwen3_5MoeForConditionalGeneration` (`MULTIMODAL`), load as their text model
+(`tfx.hf.families.TextOf`): config.json's text_config (with the top level's
+tie_word_embeddings), the tensors `model.language_model.*` and `lm_head.weight`; the vision
+tower (`model.visual.*`) is not read, and such a model saves as the text class
+(Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM). The multi-token-prediction tensors (`mtp.*`) are
+not read, as transformers does not read them.
 
 Refused (ValueError naming the field): what `tfx.hf.qwen3_next` refuses; on save, what the
 card lacks.
@@ -31,10 +35,11 @@ from __future__ import annotations
 import numpy as np
 
 from tfx.hf import decoder_parts, plan, qwen3_next
+from tfx.hf.families import Multimodal
 from tfx.models import families
 from tfx.models.config import DecoderConfig
 
-__all__ = ["ARCHITECTURES", "CARDS", "HAS_EXPERTS", "IGNORED", "OPTIONAL_PARAMS",
+__all__ = ["ARCHITECTURES", "CARDS", "HAS_EXPERTS", "IGNORED", "MULTIMODAL", "OPTIONAL_PARAMS",
            "config_from_hf", "config_to_hf", "params_from_hf", "params_to_hf", "steps"]
 
 QWEN3_5, QWEN3_5_MOE = "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"
@@ -44,6 +49,12 @@ OPTIONAL_PARAMS: tuple = ()  # every parameter must come from the checkpoint
 IGNORED = qwen3_next.IGNORED  # rotary buffers, the multi-token-prediction head
 # What every model of each architecture is (tfx.models.families): set on load, checked on save.
 CARDS = {QWEN3_5: families.QWEN3_5, QWEN3_5_MOE: families.QWEN3_5_MOE}
+# The image-text models whose text model is one of these (tfx.hf.families.for_loading).
+_TEXT_TENSORS = {"model.language_model.": "model.", "lm_head.": "lm_head."}
+MULTIMODAL = {
+    f"{name}ForConditionalGeneration": Multimodal(text, _TEXT_TENSORS, ("model.visual.",),
+                                                    tie_word_embeddings=False)
+    for name, text in (("Qwen3_5", QWEN3_5), ("Qwen3_5Moe", QWEN3_5_MOE))}
 
 _MODEL_TYPES = {QWEN3_5: "qwen3_5_text", QWEN3_5_MOE: "qwen3_5_moe_text"}
 # The config classes' defaults, for config.json files that leave a field out.

@@ -35,7 +35,7 @@ from flax import nnx
 
 import tfx.hf
 from tfx.hf import io
-from tfx.hf.families import by_architecture
+from tfx.hf.families import TextOf, by_architecture, for_loading
 from tfx.hf.peft_adapter import ARCHITECTURES, save_peft_adapter
 from tfx.peft import PeftParam, lora
 from tfx.peft.core import find_modules
@@ -180,11 +180,15 @@ def _writes_adapter(method: str, merged: bool | None, hf_base: Path | None, work
 
 
 def _base_architecture(folder: Path) -> str:
-    """The first architecture of the base folder's config.json that tfx saves."""
+    """The first architecture of the base folder's config.json that tfx saves: a multimodal
+    one (Qwen3.5's, Gemma 3's) saves as its text architecture, the model tfx loaded from it."""
     names = io.read_config(folder).get("architectures") or []
+    loadable = for_loading()
     for name in names:
         if name in tfx.hf.SUPPORTED:
             return name
+        if isinstance(loadable.get(name), TextOf):
+            return loadable[name].declared.text
     raise ValueError(f"--workdir: its base {folder} names architectures {names}, none of "
                      f"which tfx saves ({list(tfx.hf.SUPPORTED)})")
 
