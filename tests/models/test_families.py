@@ -27,7 +27,8 @@ PUBLISHED = {"llama2-7b": 6.74e9, "mistral-7b": 7.24e9, "mixtral-8x7b": 46.7e9,
              # multi-token-prediction head, no vision encoder).
              "qwen3-next-80b-a3b": 80e9, "qwen3.5-27b": 27e9, "qwen3.5-35b-a3b": 35e9}
 # tfx's own sizes, which no checkpoint publishes.
-OWN = {"llama-tiny", "char-gpt", "char-moe", "transformer-base"}
+OWN = {"llama-tiny", "char-gpt", "char-moe", "transformer-base",
+       "gemma4-text"}  # transformers' Gemma4TextConfig defaults, no published checkpoint
 
 
 def test_cards_import_without_jax():

@@ -400,6 +400,8 @@ def _check_model(model) -> None:
         problems.append("an attention pattern")
     if c.latent is not None:
         problems.append("latent attention (its cache holds latents, not keys and values)")
+    if c.layer_heads("full") != c.layer_heads("sliding"):  # the pools have one page shape
+        problems.append("attention.full_head_dim / full_kv_heads (wider full layers)")
     if model.embeddings.num_leading:
         problems.append("leading vectors")
     if problems:

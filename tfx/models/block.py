@@ -18,6 +18,7 @@ from tfx.nn.latent_attention import LatentAttention
 from tfx.nn.mlp import MLP
 from tfx.nn.moe import MoE
 from tfx.nn.norms import make_norm
+from tfx.nn.per_layer_embeddings import PerLayerInput
 from tfx.nn.positions import ALiBi, Position, Rotary, TransformerXL
 from tfx.nn.remat import ATTENTION_OUT, MLP_OUT, checkpoint_policy
 from tfx.ops.backends import current_platform
@@ -58,21 +59,25 @@ class Block(nnx.Module):
       `TransformerConfig.has_positions`).
     attention_norm: False for a pre-norm layer whose attention reads its input unnormalised
       (ModernBERT's first layer: `norm.first_attention`).
+    shares_keys: True for a layer that attends an earlier layer's keys and values
+      (attention.shared_kv_layers; the stack passes them as its cache, `SharedKeys`): its
+      attention then has no key and value projections.
     """
 
     def __init__(self, config: TransformerConfig, *, cross_attention: bool = False,
                  moe: bool = False, layer_type: str = "full", positional: bool = True,
-                 attention_norm: bool = True, rngs: nnx.Rngs):
+                 attention_norm: bool = True, shares_keys: bool = False, rngs: nnx.Rngs):
         c = config
         kinds = dtypes(c)
+        kv_heads, head_dim = c.layer_heads(layer_type)
 
         def attention(**kwargs):
-            return Attention(c.d_model, c.num_heads, num_kv_heads=c.kv_heads,
-                             head_dim=c.attention.head_dim, use_bias=c.use_bias,
+            return Attention(c.d_model, c.num_heads, num_kv_heads=kv_heads,
+                             head_dim=head_dim, use_bias=c.use_bias,
                              qkv_bias=c.attention.qkv_bias, out_bias=c.attention.out_bias,
                              qk_norm=c.attention.qk_norm,
                              norm_eps=c.norm.eps, scale=c.attention.scale,
-                             softcap=c.attention.softcap,
+                             softcap=c.attention.softcap, value_norm=c.attention.value_norm,
                              implementation=c.attention.implementation,
                              rngs=rngs, **kinds, **kwargs)
 
@@ -88,7 +93,10 @@ class Block(nnx.Module):
                                            norm_eps=c.norm.eps, rngs=rngs, **kinds)
         elif latent is None:
             self.attention = attention(position=position, sinks=c.attention.sinks,
-                                       output_gate=c.attention.output_gate)
+                                       output_gate=c.attention.output_gate,
+                                       projects_keys=not shares_keys,
+                                       values_are_keys=layer_type == "full"
+                                       and c.attention.full_values_are_keys)
         else:
             self.attention = LatentAttention(
                 c.d_model, c.num_heads, **dataclasses.asdict(latent), use_bias=c.use_bias,
@@ -105,16 +113,18 @@ class Block(nnx.Module):
                            gated=c.mlp.gated, implementation=c.moe.dispatch,
                            **_moe_options(c.moe), rngs=rngs, **kinds)
         else:
-            self.mlp = MLP(c.d_model, c.d_ff, activation=c.mlp.activation, gated=c.mlp.gated,
+            self.mlp = MLP(c.d_model, c.d_ff * (2 if shares_keys and c.mlp.wide_shared else 1),
+                           activation=c.mlp.activation, gated=c.mlp.gated,
                            use_bias=c.use_bias, rngs=rngs, **kinds)
         self.mlp_norm = norm(inputs)
         self.mlp_output_norm = norm(c.norm.outputs)
         self.dropout = make_dropout(c.dropout, rngs=rngs)
+        self.per_layer_input, self.layer_scale = _layer_output_parts(c, rngs)
 
     def __call__(self, x: jax.Array, *, context: jax.Array | LayerKV | None = None,
                  context_mask: jax.Array | None = None,
                  context_segment_ids: jax.Array | None = None, cache: NoCache | None = None,
-                 token_mask: jax.Array | None = None,
+                 token_mask: jax.Array | None = None, per_layer_input: jax.Array | None = None,
                  **attention_args) -> jax.Array | tuple[jax.Array, LayerKV | jax.Array]:
         """[batch, seq, d_model] -> same (and the updated self-attention cache, given one).
 
@@ -132,6 +142,9 @@ class Block(nnx.Module):
           token_mask: bool [batch, seq], False for padding, for a mixture of experts (which
             then routes padding nowhere) and a linear layer (which reads padding as zeros);
             ignored by a dense MLP and attention.
+          per_layer_input: [batch, seq, embeddings.per_layer_width], this layer's slice of the
+            per-layer embeddings (`tfx.nn.per_layer_embeddings.PerLayerEmbeddings`), when the
+            config has them.
           attention_args: mask, bias, is_causal, sparsity, positions, segment ids of the
             self-attention (see `tfx.nn.Attention`).
         """
@@ -143,7 +156,9 @@ class Block(nnx.Module):
                 h = self.attention(h, cache, token_mask=token_mask)
             else:
                 h = self.attention(h, cache=cache, **attention_args)
-        h, cache = (h, None) if cache is None else h
+        # A cache kind that keeps no state of its own (SharedKeys, RecordKeys of no cache)
+        # gives the output alone.
+        h, cache = h if isinstance(h, tuple) else (h, None)
         layer_input, x = x, self.residual("attention", x, checkpoint_name(h, ATTENTION_OUT))
         if self.cross_attention is not None:
             segments = {} if context_segment_ids is None else dict(
@@ -157,6 +172,10 @@ class Block(nnx.Module):
         with jax.named_scope("mlp"):
             h = self.mlp(h, token_mask) if isinstance(self.mlp, MoE) else self.mlp(h)
         x = self.residual("mlp", x, checkpoint_name(h, MLP_OUT))
+        if self.per_layer_input is not None:  # Gemma 4's per-layer embeddings
+            x = self.per_layer_input(x, per_layer_input)
+        if self.layer_scale is not None:
+            x = x * self.layer_scale[...].astype(x.dtype)
         return x if cache is None else (x, cache)
 
     def branch_input(self, branch: str, x: jax.Array) -> jax.Array:
@@ -192,6 +211,18 @@ class RematBlock(Block):
         policy = checkpoint_policy(self.remat_policy)
         return nnx.remat(lambda block, h: Block.__call__(block, h, **kwargs),
                          policy=policy)(self, x)
+
+
+def _layer_output_parts(config: TransformerConfig, rngs: nnx.Rngs) -> tuple:
+    """What a layer does to its output after the MLP's residual: add its per-layer input
+    (`PerLayerInput`, embeddings.per_layer_width) and scale by a learned scalar
+    (norm.layer_scale, ones at init); None for each the config lacks."""
+    c, kinds = config, dtypes(config)
+    width = c.embeddings.per_layer_width
+    per_layer = None if width is None else PerLayerInput(
+        c.d_model, width, activation=c.mlp.activation, eps=c.norm.eps, rngs=rngs, **kinds)
+    scale = nnx.Param(jnp.ones((1,), kinds["param_dtype"])) if c.norm.layer_scale else None
+    return per_layer, scale
 
 
 def _moe_options(moe: MoeConfig) -> dict:

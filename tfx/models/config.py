@@ -140,9 +140,11 @@ class TransformerConfig:
         if pad is not None and pad >= self.vocab_size:
             raise ValueError(f"embeddings.pad_id must be < vocab_size ({self.vocab_size}), "
                              f"got {pad}")
-        if self.num_heads % self.kv_heads:
-            raise ValueError(f"attention.num_kv_heads ({self.kv_heads}) must divide num_heads "
-                             f"({self.num_heads})")
+        for name in ("num_kv_heads", "full_kv_heads"):
+            heads = getattr(self.attention, name) or self.kv_heads
+            if self.num_heads % heads:
+                raise ValueError(f"attention.{name} ({heads}) must divide num_heads "
+                                 f"({self.num_heads})")
         if self.attention.head_dim is None and self.d_model % self.num_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads "
                              f"({self.num_heads}) unless attention.head_dim is given")
@@ -158,6 +160,13 @@ class TransformerConfig:
         if types is not None and len(types) != self.num_layers:
             raise ValueError(f"attention.layer_types has {len(types)} entries, one per layer: "
                              f"num_layers is {self.num_layers}")
+        a = self.attention
+        if not hasattr(self, "linear") and (
+                self.embeddings.per_layer_width or a.shared_kv_layers or a.full_head_dim
+                or a.full_kv_heads or a.full_values_are_keys):
+            raise ValueError(f"embeddings.per_layer_width, attention.shared_kv_layers and "
+                             f"attention.full_* are for causal decoders (DecoderConfig), not "
+                             f"{type(self).__name__}")
         if types is not None and "linear" in types and not hasattr(self, "linear"):
             raise ValueError(f"attention.layer_types 'linear' (Gated DeltaNet) is for causal "
                              f"decoders (DecoderConfig), not {type(self).__name__}")
@@ -167,6 +176,9 @@ class TransformerConfig:
                              f"({self.num_layers}), got {nope}")
         if not self.compute.scan_layers:
             return
+        if self.embeddings.per_layer_width is not None:
+            raise ValueError("compute.scan_layers is not supported with per-layer embeddings "
+                             "(embeddings.per_layer_width): each layer reads its own slice")
         if nope:
             raise ValueError("compute.scan_layers runs one kind of layer: rope.nope_layers "
                              f"{nope} leaves some without positions")
@@ -199,6 +211,16 @@ class TransformerConfig:
         if types is not None:
             return types[index]
         return "full" if self.attention.sliding_window is None else "sliding"
+
+    def layer_heads(self, layer_type: str) -> tuple[int, int]:
+        """(key/value heads, head width) of the attention of a layer of `layer_type`: the
+        "full" layers' own (attention.full_kv_heads, full_head_dim) where set."""
+        kv_heads = self.kv_heads
+        head_dim = self.attention.head_dim or self.d_model // self.num_heads
+        if layer_type == "full":
+            kv_heads = self.attention.full_kv_heads or kv_heads
+            head_dim = self.attention.full_head_dim or head_dim
+        return kv_heads, head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -255,6 +277,7 @@ class DecoderConfig(TransformerConfig):
         if self.latent is not None:
             self._check_latent()
         self._check_linear()
+        self._check_shared_kv()
 
     def _check_linear(self):
         """"linear" layers and the linear sub-config come together."""
@@ -264,6 +287,25 @@ class DecoderConfig(TransformerConfig):
                              "sub-config (Gated DeltaNet) and a linear sub-config needs "
                              f"'linear' layers: got layer_types={types or None} and "
                              f"linear={self.linear}")
+
+    def _check_shared_kv(self):
+        """Layers that share keys and values attend those of an earlier layer of their type."""
+        shared = self.attention.shared_kv_layers
+        if not shared:
+            return
+        if shared >= self.num_layers:
+            raise ValueError(f"attention.shared_kv_layers ({shared}) must be < num_layers "
+                             f"({self.num_layers}): an earlier layer must own the keys")
+        owners = {self.layer_type(i) for i in range(self.num_layers - shared)}
+        sharers = {self.layer_type(i) for i in range(self.num_layers - shared, self.num_layers)}
+        if not sharers <= owners - {"linear"} or self.latent is not None:
+            raise ValueError(f"attention.shared_kv_layers: the last {shared} layers (types "
+                             f"{sorted(sharers)}) need an earlier attention layer of each of "
+                             f"their types (got {sorted(owners)}), and no latent attention")
+        if self.compute.scan_layers or self.compute.remat:
+            raise ValueError("attention.shared_kv_layers is not supported with "
+                             "compute.scan_layers (one kind of layer) or compute.remat (the "
+                             "shared keys cross layers, which remat recomputes apart)")
 
     def _check_latent(self):
         """What latent attention replaces or cannot combine with."""

@@ -17,6 +17,7 @@ from tfx.nn import axes
 from tfx.nn.embeddings import TokenEmbedding
 from tfx.nn.gated_delta_net import GatedDeltaNet
 from tfx.nn.linear import flat_linear, is_plain
+from tfx.nn.per_layer_embeddings import PerLayerEmbeddings
 from tfx.ops.activations import softcap
 from tfx.ops.kv_cache import (
     KVCache,
@@ -43,6 +44,10 @@ class Decoder(nnx.Module):
         self.config = config
         self.embeddings = Embeddings(config, rngs=rngs)
         self.stack = Stack(config, causal=True, rngs=rngs)
+        width = config.embeddings.per_layer_width
+        self.per_layer_embeddings = None if width is None else PerLayerEmbeddings(
+            config.embeddings.per_layer_vocab_size or config.vocab_size, config.num_layers,
+            width, config.d_model, eps=config.norm.eps, rngs=rngs, **dtypes(config))
         self.head = (None if config.embeddings.tie else flat_linear(
             config.d_model, config.vocab_size, use_bias=False,
             kernel_metadata=axes.metadata(axes.EMBED, axes.VOCAB), rngs=rngs,
@@ -118,7 +123,8 @@ class Decoder(nnx.Module):
         x = self.embeddings(input_ids, positions,
                             leading=self.embeddings.leading(input_ids.shape[0]))
         x = self.stack(x, positions=positions, mask=mask, segment_ids=segment_ids,
-                       token_mask=attention_mask)
+                       token_mask=attention_mask,
+                       per_layer_inputs=self.per_layer_inputs(input_ids, x))
         return x[:, skip:]
 
     def _cached(self, input_ids, valid, cache: KVCache, leading: jax.Array | None = None):
@@ -127,8 +133,21 @@ class Decoder(nnx.Module):
         step, cache = cache.plan(valid)
         x = self.embeddings(input_ids, jnp.maximum(step.query_positions, 0), leading=leading)
         x, layers = self.stack(x, positions=step.query_positions, cache=cache.layers,
-                               cache_step=step, token_mask=valid)
+                               cache_step=step, token_mask=valid,
+                               per_layer_inputs=self.per_layer_inputs(input_ids, x))
         return x, dataclasses.replace(cache, layers=layers)
+
+    def per_layer_inputs(self, input_ids: jax.Array, embedded: jax.Array) -> jax.Array | None:
+        """Every layer's per-layer input [batch, seq, num_layers, embeddings.per_layer_width]
+        from ids [batch, seq] and their embeddings [batch, seq, d_model]
+        (`tfx.nn.per_layer_embeddings.PerLayerEmbeddings`); None for a model without
+        per-layer embeddings."""
+        if self.per_layer_embeddings is None:
+            return None
+        if embedded.shape[1] != input_ids.shape[1]:
+            raise ValueError("per-layer embeddings need one id per embedded vector: leading "
+                             "vectors (embeddings.num_leading) are not supported with them")
+        return self.per_layer_embeddings(input_ids, embedded)
 
     def init_cache(self, batch: int, max_len: int, dtype=None, *,
                    rewind: int = 0) -> KVCache | SegmentMemory:
@@ -167,7 +186,8 @@ class Decoder(nnx.Module):
                                d_model=c.d_model, dtype=dtype, stacked=c.compute.scan_layers)
         # A ring buffer of the window when every attention layer slides; full layers need
         # every key. Linear layers keep a DeltaState instead (`with_linear_states`).
-        types = [c.layer_type(i) for i in range(c.num_layers)]
+        # Layers that attend another's keys (attention.shared_kv_layers) cache nothing.
+        types = [c.layer_type(i) for i in range(c.num_layers - c.attention.shared_kv_layers)]
         attending = [t for t in types if t != "linear"]
         sliding = all(t == "sliding" for t in attending)
         layout = dict(num_layers=max(len(attending), 1), batch=batch, max_len=max_len + g,
@@ -177,10 +197,8 @@ class Decoder(nnx.Module):
             cache = init_latent_cache(kv_lora_rank=c.latent.kv_lora_rank,
                                       qk_rope_head_dim=c.latent.qk_rope_head_dim, **layout)
         else:
-            cache = init_cache(num_kv_heads=c.kv_heads,
-                               head_dim=c.attention.head_dim or c.d_model // c.num_heads,
-                               **layout)
-        if len(attending) < len(types):
+            cache = _kv_cache(c, attending, layout)
+        if len(attending) < c.num_layers:
             cache = self.with_linear_states(cache, batch, dtype, history=rewind)
         if g:
             _, cache = self._cached(jnp.zeros((batch, 0), jnp.int32), jnp.ones((batch, g), bool),
@@ -192,12 +210,14 @@ class Decoder(nnx.Module):
         """`cache` (a tuple of KV layers or page pools for the attention layers, in order,
         at least one) with an empty `DeltaState` [batch, ...] at each linear layer's place:
         one state per layer and row, whatever the sequence length; `history` as
-        `GatedDeltaNet.empty_state`'s."""
+        `GatedDeltaNet.empty_state`'s. Layers that attend an earlier layer's keys
+        (attention.shared_kv_layers) get None: they cache nothing."""
         kv_layers = iter(cache.layers)
         layers = tuple(
             block.attention.empty_state(batch, dtype, history=history)
-            if isinstance(block.attention, GatedDeltaNet) else next(kv_layers)
-            for block in self.stack.layers)
+            if isinstance(block.attention, GatedDeltaNet)
+            else None if source is not None else next(kv_layers)  # shared keys: no cache
+            for block, source in zip(self.stack.layers, self.stack.kv_sources, strict=True))
         return dataclasses.replace(cache, layers=layers)
 
     def logits(self, hidden: jax.Array, output_weights: jax.Array | None = None) -> jax.Array:
@@ -226,3 +246,18 @@ class Decoder(nnx.Module):
             return tokens.table[...].T if type(tokens) is TokenEmbedding else None
         return self.head.kernel[...] if is_plain(self.head) else None
 
+
+def _kv_cache(config: DecoderConfig, types: list[str], layout: dict) -> KVCache:
+    """An empty KV cache for attention layers of `types` (in order), each with its own heads
+    and head width (`DecoderConfig.layer_heads`: Gemma 4's "full" layers are wider)."""
+    shapes = [config.layer_heads(kind) for kind in types]
+    if len(set(shapes)) <= 1:  # one shape (or a model of linear layers only): one call
+        kv_heads, head_dim = shapes[0] if shapes else config.layer_heads("full")
+        return init_cache(num_kv_heads=kv_heads, head_dim=head_dim, **layout)
+    built = {shape: init_cache(num_kv_heads=shape[0], head_dim=shape[1],
+                               **{**layout, "num_layers": shapes.count(shape)})
+             for shape in set(shapes)}
+    layers = {shape: iter(cache.layers) for shape, cache in built.items()}
+    # The slot bookkeeping (positions, next_position) is alike in every one of them.
+    return dataclasses.replace(next(iter(built.values())),
+                               layers=tuple(next(layers[shape]) for shape in shapes))

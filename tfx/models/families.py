@@ -33,8 +33,8 @@ from tfx.models.config import (
     nested,
 )
 
-__all__ = ["BERT", "DEEPSEEK_V3", "DEFAULTS", "FAMILIES", "GEMMA2", "GEMMA3", "GPT2", "GPT_NEOX",
-           "GPT_OSS",
+__all__ = ["BERT", "DEEPSEEK_V3", "DEFAULTS", "FAMILIES", "GEMMA2", "GEMMA3", "GEMMA4", "GPT2",
+           "GPT_NEOX", "GPT_OSS",
            "LLAMA", "MISTRAL", "MIXTRAL", "MODERNBERT", "OLMO2", "OLMO3", "PHI3", "QWEN2", "QWEN3",
            "QWEN3_5", "QWEN3_5_MOE", "QWEN3_MOE", "QWEN3_NEXT", "RUNTIME", "SIZES", "SMOLLM3",
            "T5", "TRANSFORMER", "Family",
@@ -414,6 +414,26 @@ GEMMA3 = GEMMA2.but(
                                         "layer_types": (("sliding",) * 5 + ("full",)) * 4
                                         + ("sliding",) * 2})})
 
+# Gemma 4 text: Gemma 3 with unscaled scores (1.0), values normalised per head, a learned
+# scalar on each layer's output, and optional per-layer embeddings (PLE), keys and values shared
+# by the last layers, and wider "full" layers (their own head width and KV heads, values from
+# the key projection). The size is transformers' Gemma4TextConfig defaults (its docstring's
+# google/gemma-4-e2b-it) but for the "full" layers' proportional rope (partial_rotary_factor
+# 0.25), a scaling object that `tfx.hf.load` reads: no card data, as it needs jax.
+GEMMA4 = GEMMA3.but(
+    name="gemma4", attention={"scale": 1.0, "value_norm": True}, norm={"layer_scale": True},
+    free={"embeddings.per_layer_width", "embeddings.per_layer_vocab_size",
+          "attention.shared_kv_layers", "attention.full_head_dim", "attention.full_kv_heads",
+          "attention.full_values_are_keys", "mlp.wide_shared"},
+    sizes={"gemma4-text": dict(vocab_size=262144, d_model=2304, num_layers=30, num_heads=8,
+                               d_ff=9216, max_len=131072, norm={"eps": 1e-6},
+                               embeddings={"pad_id": 0, "per_layer_width": 256,
+                                           "per_layer_vocab_size": 262144},
+                               rope={"theta": 1e6, "local_theta": 10000.0},
+                               attention={"num_kv_heads": 4, "head_dim": 256,
+                                          "full_head_dim": 512, "sliding_window": 512,
+                                          "layer_types": (("sliding",) * 5 + ("full",)) * 5})})
+
 # DeepSeek-V3: multi-head latent attention and DeepSeek's routed and shared experts.
 DEEPSEEK_V3 = LLAMA.but(
     name="deepseek_v3", use_bias=False, attention={"qkv_bias": None, "out_bias": None},
@@ -538,7 +558,7 @@ TRANSFORMER = Family(
 
 FAMILIES = MappingProxyType({card.name: card for card in (
     LLAMA, SMOLLM3, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, QWEN3_5,
-    QWEN3_5_MOE, OLMO2, OLMO3, PHI3, GEMMA2, GEMMA3,
+    QWEN3_5_MOE, OLMO2, OLMO3, PHI3, GEMMA2, GEMMA3, GEMMA4,
     DEEPSEEK_V3, GPT_OSS, GPT_NEOX, GPT2, BERT, MODERNBERT, T5, TRANSFORMER)})
 # Named size -> its family.
 SIZES = MappingProxyType({size: card for card in FAMILIES.values() for size in card.sizes})

@@ -158,9 +158,25 @@ class AttentionConfig:
     """Each head's output multiplied by sigmoid of a projection of the layer's input
     (`tfx.nn.Attention`'s `gate`) before the output projection (Qwen3-Next, Qwen3.5, whose
     q_proj holds it beside each head's query)."""
+    value_norm: bool = False
+    """Values RMS-normalised over each head's head_dim, without a scale (Gemma 4; norm.eps)."""
+    full_head_dim: int | None = None
+    """Width of the heads of the "full" layers (Gemma 4's global_head_dim, with "sliding"
+    layers of head_dim); None: head_dim."""
+    full_kv_heads: int | None = None
+    """Key/value heads of the "full" layers (Gemma 4's num_global_key_value_heads); None:
+    num_kv_heads."""
+    full_values_are_keys: bool = False
+    """The "full" layers have no value projection: their values are the key projection's
+    output, before the key norm and rotation (Gemma 4's attention_k_eq_v)."""
+    shared_kv_layers: int = 0
+    """The last shared_kv_layers layers (decoders) project no keys and values and cache none:
+    each attends those of the last earlier layer of its layer type (Gemma 4's
+    num_kv_shared_layers); 0: every layer has its own."""
 
     def __post_init__(self):
-        for name in ("num_kv_heads", "head_dim", "sliding_window"):
+        for name in ("num_kv_heads", "head_dim", "sliding_window", "full_head_dim",
+                     "full_kv_heads"):
             if getattr(self, name) is not None:
                 positive_int(f"attention.{name}", getattr(self, name))
         one_of("attention.implementation", self.implementation,
@@ -177,6 +193,9 @@ class AttentionConfig:
         one_of("attention.qk_norm", self.qk_norm, (None, *get_args(QKNorm)))
         boolean("attention.sinks", self.sinks)
         boolean("attention.output_gate", self.output_gate)
+        boolean("attention.value_norm", self.value_norm)
+        boolean("attention.full_values_are_keys", self.full_values_are_keys)
+        positive_int("attention.shared_kv_layers", self.shared_kv_layers, minimum=0)
         if self.layer_types is not None:
             self._check_layer_types()
 
@@ -276,11 +295,15 @@ class MlpConfig:
     parallel: bool = False
     """The MLP reads the layer's input beside attention, x + attention(n1(x)) + mlp(n2(x))
     (GPT-NeoX, GPT-J), instead of the attention's output; pre-norm models only."""
+    wide_shared: bool = False
+    """The layers that attend another's keys (attention.shared_kv_layers) have MLPs of twice
+    d_ff (Gemma 4's use_double_wide_mlp); False: every MLP has d_ff."""
 
     def __post_init__(self):
         one_of("mlp.activation", self.activation, get_args(Activation))
         boolean("mlp.gated", self.gated)
         boolean("mlp.parallel", self.parallel)
+        boolean("mlp.wide_shared", self.wide_shared)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -306,12 +329,15 @@ class NormConfig:
     """The first layer normalises its attention's input like the others; False: it reads the
     embeddings as they are (ModernBERT, whose embeddings are normalised already,
     `embeddings.norm`). Pre-norm layers that normalise inputs only."""
+    layer_scale: bool = False
+    """Each layer's output is multiplied by a learned scalar, `layer_scale` [1] (Gemma 4's
+    layer_scalar); False: not scaled."""
 
     def __post_init__(self):
         one_of("norm.kind", self.kind, get_args(NormKind))
         if not self.eps > 0:
             raise ValueError(f"norm.eps must be > 0, got {self.eps}")
-        for name in ("pre_norm", "inputs", "outputs", "bias", "first_attention"):
+        for name in ("pre_norm", "inputs", "outputs", "bias", "first_attention", "layer_scale"):
             boolean(f"norm.{name}", getattr(self, name))
         if not self.pre_norm and not (self.inputs and not self.outputs):
             raise ValueError("norm.inputs=False and norm.outputs=True are for pre-norm layers "
@@ -450,11 +476,24 @@ class EmbeddingsConfig:
     norm: bool = False
     """Pre-norm models normalise the embeddings too (ModernBERT), with the model's norm;
     post-norm models (BERT) always do."""
+    per_layer_width: int | None = None
+    """Per-layer embeddings (Gemma 4's PLE, `tfx.nn.per_layer_embeddings`; decoders): each
+    layer gates an input of this width into its residual stream after its MLP, mixed from a
+    table [per_layer_vocab_size, num_layers * width] and a projection of the main embedding
+    (hidden_size_per_layer_input); None: no per-layer inputs."""
+    per_layer_vocab_size: int | None = None
+    """Rows of the per-layer table (vocab_size_per_layer_input); None: vocab_size."""
 
     def __post_init__(self):
         boolean("embeddings.tie", self.tie)
         boolean("embeddings.scale", self.scale)
         boolean("embeddings.norm", self.norm)
+        for name in ("per_layer_width", "per_layer_vocab_size"):
+            if getattr(self, name) is not None:
+                positive_int(f"embeddings.{name}", getattr(self, name))
+        if self.per_layer_vocab_size is not None and self.per_layer_width is None:
+            raise ValueError("embeddings.per_layer_vocab_size needs embeddings.per_layer_width "
+                             "(the per-layer embeddings it sizes)")
         if self.pad_id is not None:
             positive_int("embeddings.pad_id", self.pad_id, minimum=0)
 

@@ -9,6 +9,7 @@ from flax import nnx
 from tfx.models.block import Block, RematBlock, dtypes, model_norm
 from tfx.models.config import EncoderConfig, TransformerConfig
 from tfx.nn import axes
+from tfx.nn.attention import NoCache, RecordKeys, SharedKeys
 from tfx.nn.caches import SegmentLayer, kv_cache_layer
 from tfx.nn.dropout import make_dropout
 from tfx.nn.embeddings import LearnedPositions, SinusoidalPositions, TokenEmbedding
@@ -104,6 +105,8 @@ class Stack(nnx.Module):
         # Each layer's window (None: full attention), c.layer_type's "sliding" layers.
         self.windows = tuple(c.attention.sliding_window if c.layer_type(i) == "sliding"
                              else None for i in range(count))
+        # Per layer, the earlier layer whose keys and values it attends (None: its own).
+        self.kv_sources = kv_sources(c, count)
         pattern = c.attention.pattern
         self.attention_pattern = None if pattern is None else parse_spec(pattern)
         self.relative_bias = (RelativePositionBias(
@@ -126,7 +129,8 @@ class Stack(nnx.Module):
             self.layers = nnx.List([
                 layer(c, cross_attention=cross_attention, moe=c.is_moe_layer(i),
                       layer_type=c.layer_type(i), positional=c.has_positions(i),
-                      attention_norm=c.norm.first_attention or i > 0, rngs=rngs)
+                      attention_norm=c.norm.first_attention or i > 0,
+                      shares_keys=self.kv_sources[i] is not None, rngs=rngs)
             for i in range(count)])
         self.final_norm = model_norm(c, rngs=rngs) if c.norm.pre_norm else None
         self.dropout = make_dropout(c.dropout, rngs=rngs)
@@ -137,7 +141,8 @@ class Stack(nnx.Module):
                  context_mask: jax.Array | None = None,
                  context_segment_ids: jax.Array | None = None,
                  cache: LayerKV | tuple | jax.Array | None = None,
-                 cache_step: CacheStep | None = None, token_mask: jax.Array | None = None):
+                 cache_step: CacheStep | None = None, token_mask: jax.Array | None = None,
+                 per_layer_inputs: jax.Array | None = None):
         """[batch, seq, d_model] -> [batch, seq, d_model] (and the updated layer caches).
 
         Args:
@@ -158,6 +163,9 @@ class Stack(nnx.Module):
             (`tfx.ops.paged`).
           token_mask: bool [batch, seq], False for padding tokens, which mixture-of-experts
             layers then route nowhere.
+          per_layer_inputs: [batch, seq, num_layers, embeddings.per_layer_width], every
+            layer's per-layer input (`tfx.nn.per_layer_embeddings.PerLayerEmbeddings`), for a
+            config with them.
         Returns:
           hidden states, or (hidden states, updated cache layers) when a cache is given.
         """
@@ -193,22 +201,36 @@ class Stack(nnx.Module):
                 x, cache = nnx.scan(run, in_axes=axes, out_axes=(nnx.Carry, 0))(
                     x, self.layers, cache, context)
         else:
-            caches = [None] * len(self.layers) if cache is None else cache
             contexts = context if per_layer_context else [context] * len(self.layers)
-            updated = []
-            for i, (layer, layer_cache, layer_context, window) in enumerate(zip(
-                    self.layers, caches, contexts, self.windows, strict=True)):
-                with jax.named_scope(f"layer_{i}"):  # profiles read by layer
-                    x = layer(x, context=layer_context, token_mask=token_mask,
-                              cache=None if layer_cache is None else kind(layer_cache),
-                              **shared, **visibility[window])
-                if layer_cache is not None:
-                    x, layer_cache = x
-                updated.append(layer_cache)
-            cache = None if cache is None else tuple(updated)
+            x, cache = self._each_layer(x, cache, kind, contexts, per_layer_inputs,
+                                        token_mask=token_mask, **shared,
+                                        visibility=visibility)
         if self.final_norm is not None:
             x = self.dropout(self.final_norm(x))
         return x if cache is None else (x, cache)
+
+    def _each_layer(self, x, cache, kind, contexts, per_layer_inputs, *, visibility, **shared):
+        """Run the layers one after the other (not scanned): x and the updated caches (None
+        without a cache). A layer whose keys later layers share records them (`RecordKeys`);
+        those layers attend them (`SharedKeys`) and keep no cache (their entry stays None)."""
+        caches = [None] * len(self.layers) if cache is None else cache
+        recorded, owners, updated = {}, set(self.kv_sources) - {None}, []
+        for i, (layer, layer_cache, layer_context, window) in enumerate(zip(
+                self.layers, caches, contexts, self.windows, strict=True)):
+            kv = None if layer_cache is None else kind(layer_cache)
+            if self.kv_sources[i] is not None:
+                kv = SharedKeys(recorded[self.kv_sources[i]].keys)
+            elif i in owners:
+                kv = recorded[i] = RecordKeys(NoCache() if kv is None else kv)
+            extra = {} if per_layer_inputs is None else {
+                "per_layer_input": per_layer_inputs[:, :, i]}
+            with jax.named_scope(f"layer_{i}"):  # profiles read by layer
+                x = layer(x, context=layer_context, cache=kv, **extra, **shared,
+                          **visibility[window])
+            if isinstance(x, tuple):
+                x, layer_cache = x
+            updated.append(layer_cache)
+        return x, None if cache is None else tuple(updated)
 
     def _visibility(self, mask: jax.Array | None, window: int | None, cached: bool,
                     cache_step: CacheStep | None, positions: jax.Array) -> dict:
@@ -241,6 +263,15 @@ class Stack(nnx.Module):
         if self.scan_layers:
             return nnx.vmap(project, in_axes=0, out_axes=0)(self.layers)
         return tuple(project(block) for block in self.layers)
+
+
+def kv_sources(config: TransformerConfig, count: int) -> tuple[int | None, ...]:
+    """Per layer, the index of the layer whose keys and values it attends: None for its own;
+    for the last attention.shared_kv_layers layers, the last layer of the same type before
+    them (transformers' Gemma 4 `kv_sharing_modes`)."""
+    first = count - config.attention.shared_kv_layers
+    owner = {config.layer_type(i): i for i in range(first)}  # the last of each type wins
+    return tuple(None if i < first else owner[config.layer_type(i)] for i in range(count))
 
 
 def _within(positions: jax.Array, window: int) -> jax.Array:

@@ -30,9 +30,10 @@ from tfx.nn.positions import Position
 from tfx.nn.remat import KEY_PROJ, QUERY_PROJ, VALUE_PROJ
 from tfx.ops.attention import IMPLEMENTATIONS, dot_product_attention
 from tfx.ops.kv_cache import LayerKV
+from tfx.ops.norms import rms_norm
 from tfx.ops.sparse import SparsitySpec
 
-__all__ = ["Attention", "CrossKV", "Keys", "NoCache", "cache_for"]
+__all__ = ["Attention", "CrossKV", "Keys", "NoCache", "RecordKeys", "SharedKeys", "cache_for"]
 
 
 class Attention(nnx.Module):
@@ -64,6 +65,11 @@ class Attention(nnx.Module):
       output_gate: gate each head's output elementwise by sigmoid of a projection of the input,
         before the output projection (Qwen3-Next, Qwen3.5): `gate`, [d_model] ->
         [num_heads · head_dim], with the query's bias setting.
+      value_norm: RMS-normalise each head's values over head_dim, without a scale (Gemma 4).
+      values_are_keys: no value projection: the values are the key projection's output,
+        before the key norm and rotation (Gemma 4's attention_k_eq_v).
+      projects_keys: False for a layer that attends another layer's keys and values
+        (`SharedKeys`: Gemma 4's KV sharing), which then has no key and value projections.
       position: how this attention encodes positions, a `tfx.nn.positions.Position` (Rotary,
         ALiBi, TransformerXL, ...); None: none (NoPE).
       implementation: an implementation of `tfx.ops.dot_product_attention` ("reference",
@@ -78,7 +84,8 @@ class Attention(nnx.Module):
                  out_bias: bool | None = None,
                  qk_norm: str | None = None, norm_eps: float = 1e-6,
                  scale: float | None = None, softcap: float | None = None,
-                 sinks: bool = False, output_gate: bool = False,
+                 sinks: bool = False, output_gate: bool = False, value_norm: bool = False,
+                 values_are_keys: bool = False, projects_keys: bool = True,
                  position: Position | None = None, implementation: str | None = None,
                  block_sizes: tuple[int, int] | None = None, dtype=None,
                  param_dtype=jnp.float32, rngs: nnx.Rngs):
@@ -98,6 +105,7 @@ class Attention(nnx.Module):
         self.d_model, self.num_heads = d_model, num_heads
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.scale, self.softcap = scale, softcap
+        self.value_norm_eps = norm_eps if value_norm else None
         self.implementation, self.block_sizes = implementation, block_sizes
         self.position = Position() if position is None else position
         kv_features = d_model if kv_features is None else kv_features
@@ -112,16 +120,18 @@ class Attention(nnx.Module):
         self.query = linear(d_model, num_heads * head_dim, axes.EMBED, axes.HEADS, axes.HEADS)
         self.gate = (linear(d_model, num_heads * head_dim, axes.EMBED, axes.HEADS, axes.HEADS)
                      if output_gate else None)
-        self.key = linear(kv_features, num_kv_heads * head_dim, axes.EMBED, axes.HEADS,
-                          axes.HEADS)
-        self.value = linear(kv_features, num_kv_heads * head_dim, axes.EMBED, axes.HEADS,
-                            axes.HEADS)
+        self.key, self.value = (
+            (linear(kv_features, num_kv_heads * head_dim, axes.EMBED, axes.HEADS, axes.HEADS),
+             None if values_are_keys else
+             linear(kv_features, num_kv_heads * head_dim, axes.EMBED, axes.HEADS, axes.HEADS))
+            if projects_keys else (None, None))
         self.out = linear(num_heads * head_dim, d_model, axes.HEADS, axes.EMBED, None,
                           use_bias if out_bias is None else out_bias)
         self.query_norm, self.key_norm = (
             (None, None) if qk_norm is None else
             (QKNorm(qk_norm, num_heads, head_dim, norm_eps, dtype, param_dtype, rngs),
-             QKNorm(qk_norm, num_kv_heads, head_dim, norm_eps, dtype, param_dtype, rngs)))
+             QKNorm(qk_norm, num_kv_heads, head_dim, norm_eps, dtype, param_dtype, rngs)
+             if projects_keys else None))
         # Small and read by every head's softmax: replicated (no axis names).
         self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype)) if sinks else None
 
@@ -194,9 +204,11 @@ class Attention(nnx.Module):
     def _project(self, source: jax.Array) -> tuple[jax.Array, jax.Array]:
         """[batch, kv_len, features] -> keys and values [batch, kv_len, num_kv_heads, head_dim]."""
         key = checkpoint_name(self.key(source), KEY_PROJ)
-        value = checkpoint_name(self.value(source), VALUE_PROJ)
-        return (self._heads(key, self.num_kv_heads, self.key_norm),
-                self._heads(value, self.num_kv_heads))
+        value = key if self.value is None else checkpoint_name(self.value(source), VALUE_PROJ)
+        value = self._heads(value, self.num_kv_heads)
+        if self.value_norm_eps is not None:  # over each head's features, no scale
+            value = rms_norm(value, epsilon=self.value_norm_eps)
+        return self._heads(key, self.num_kv_heads, self.key_norm), value
 
     def _heads(self, x: jax.Array, num_heads: int, norm: QKNorm | None = None) -> jax.Array:
         """[batch, seq, num_heads * head_dim] -> [batch, seq, num_heads, head_dim], normalised
@@ -277,6 +289,40 @@ class CrossKV(NoCache):
     def attend(self, keys, x):
         return dataclasses.replace(keys, key=self.kv.key, value=self.kv.value,
                                    heads_major=True), None
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedKeys(NoCache):
+    """The keys and values that another layer of the same kind attended in this call
+    (`RecordKeys`), with their positions and visibility: the call projects only its queries
+    and keeps no cache (Gemma 4's KV sharing)."""
+
+    keys: Keys
+
+    def sources(self, x, context):
+        return None
+
+    def attend(self, keys, x):
+        return self.keys, None
+
+
+class RecordKeys:
+    """A cache kind (`inner`) that also remembers the `Keys` its layer attended (`keys`, set
+    by the call), for the later layers that share them (`SharedKeys`)."""
+
+    def __init__(self, inner: NoCache):
+        self.inner, self.keys = inner, None
+
+    def sources(self, x: jax.Array, context: jax.Array | None) -> jax.Array | None:
+        return self.inner.sources(x, context)
+
+    def query_positions(self, positions: jax.Array | None, q_len: int) -> jax.Array:
+        return self.inner.query_positions(positions, q_len)
+
+    def attend(self, keys: Keys, x: jax.Array) -> tuple[Keys, object]:
+        keys, state = self.inner.attend(keys, x)
+        self.keys = keys
+        return keys, state
 
 
 def cache_for(cache: NoCache | None, context: jax.Array | LayerKV | None) -> NoCache:

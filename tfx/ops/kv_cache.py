@@ -139,7 +139,8 @@ class KVCache:
         """Bytes of cached keys and values and of recurrent states (the bookkeeping is
         negligible)."""
         layers = self.layers if isinstance(self.layers, tuple) else (self.layers,)
-        return sum(layer.nbytes for layer in layers)
+        # None: a layer that attends another's keys (attention.shared_kv_layers) keeps none.
+        return sum(layer.nbytes for layer in layers if layer is not None)
 
     @property
     def state_bytes(self) -> int:
