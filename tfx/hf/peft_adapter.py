@@ -11,16 +11,19 @@ weight [d_out, d_in]); an embedding's a [vocab, r], b [r, d] become `lora_embedd
 Each factor's torch module is read off its family's tensor-name table (`ARCHITECTURES`), named
 as in memory, where peft finds it (GPT-NeoX's head is `lm_head` there, `embed_out` on disk).
 Fused modules (Phi-3's `qkv_proj`, `gate_up_proj`; GPT-NeoX's `query_key_value`; GPT-2's
-Conv1D `c_attn`) get one exact LoRA of rank k·r from their k adapted parts (a_j [d_in, r],
-b_j [r, n_j]): A = [a_1 … a_k] and B = the b_j on a block diagonal laid out by the family's
-own packing (zero rows for parts without factors), so A·B = the a_j·b_j side by side.
+Conv1D `c_attn`; ModernBERT's `Wqkv`, `Wi`; Qwen3-Next's `in_proj_qkvz`, `in_proj_ba` (per key
+head) and Qwen3.5's `in_proj_qkv`; both families' gated `q_proj`, per head [query | gate]) get
+one exact LoRA of rank k·r from their k adapted parts (a_j [d_in, r], b_j [r, n_j]):
+A = [a_1 … a_k] and B = the b_j on a block diagonal laid out by the family's own packing (zero
+rows for parts without factors), so A·B = the a_j·b_j side by side.
 `rank_pattern` gives such a module its rank and `alpha_pattern` lora_alpha = scale·k·r: every
 module keeps tfx's one scale.
 
 Refused (ValueError naming the module): weights that are not a whole torch linear layer or
-embedding (routers: transformers 5 fuses them and the experts); on Qwen 3 MoE and DeepSeek-V3
-the dense MLPs and shared experts (peft, for transformers 5, reads any target named gate_proj /
-up_proj / down_proj there as the fused experts); LoRA on tied token embeddings; several ranks.
+embedding (routers, GPT-OSS's included: transformers 5 fuses them and the experts); on Qwen 3
+MoE, Qwen3-Next and DeepSeek-V3 the dense MLPs and shared experts (peft, for transformers 5,
+reads any target named gate_proj / up_proj / down_proj there as the fused experts); LoRA on
+tied token embeddings; several ranks.
 """
 
 from __future__ import annotations
@@ -34,7 +37,23 @@ from collections.abc import Callable
 import numpy as np
 from flax import nnx
 
-from tfx.hf import bert, deepseek, gemma, gpt2, gpt_neox, io, llama, olmo2, phi3
+from tfx.hf import (
+    bert,
+    deepseek,
+    gemma,
+    gemma4,
+    gpt2,
+    gpt_neox,
+    gpt_oss,
+    io,
+    llama,
+    modernbert,
+    olmo2,
+    olmo3,
+    phi3,
+    qwen3_next,
+    smollm3,
+)
 from tfx.hf.families import by_architecture
 from tfx.nn.paths import path_name
 from tfx.peft.core import find_modules
@@ -44,6 +63,9 @@ from tfx.peft.lora_modules import LoRAEmbedding, LoRALinear
 __all__ = ["ARCHITECTURES", "save_peft_adapter"]
 
 Path = tuple[str | int, ...]
+# A family's packing of the kernels [d_in, n_j] of a fused module's parts into its kernel
+# [d_in, sum n_j] (nnx layout).
+Pack = Callable[[list[np.ndarray]], np.ndarray]
 _WEIGHTS = ("kernel", "table")  # the leaf names of what LoRA adapts (linear, embedding)
 
 
@@ -52,14 +74,12 @@ class _Modules:
     """The torch modules of one model that LoRA factors can go to.
 
     one: tfx module path (per layer) -> (HF module name, "kernel" or "table").
-    fused: HF module name -> the tfx linear layers it packs (module paths, in order).
-    pack: the family's packing of those layers' kernels [d_in, n_j] into the fused module's
-      kernel [d_in, sum n_j] (nnx layout).
+    fused: HF module name -> (the tfx linear layers it packs (module paths, in order), the
+      family's `Pack` of their kernels into its kernel).
     """
 
     one: dict[Path, tuple[str, str]]
-    fused: dict[str, tuple[Path, ...]] = dataclasses.field(default_factory=dict)
-    pack: Callable[[list[np.ndarray]], np.ndarray] | None = None
+    fused: dict[str, tuple[tuple[Path, ...], Pack]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +106,7 @@ def _side_by_side(kernels: list[np.ndarray]) -> np.ndarray:
 
 def _phi3(config) -> _Modules:
     fused = {name: paths for name, (paths, _) in phi3.fused_tensors(config).items()}
-    return _Modules(_modules(phi3.tensor_names(config)), _fused(fused), _side_by_side)
+    return _Modules(_modules(phi3.tensor_names(config)), _fused(fused, _side_by_side))
 
 
 def _gpt_neox(config) -> _Modules:
@@ -95,12 +115,12 @@ def _gpt_neox(config) -> _Modules:
 
     # peft names modules as they are in memory, where transformers 5 calls embed_out lm_head.
     return _Modules(_modules(gpt_neox.tensor_names(config, "lm_head.weight")),
-                    _fused(gpt_neox.packed_tensors(config)), pack)
+                    _fused(gpt_neox.packed_tensors(config), pack))
 
 
 def _gpt2(config) -> _Modules:
-    return _Modules(_modules(gpt2.tensor_names(config)), _fused(gpt2.packed_tensors(config)),
-                    _side_by_side)
+    return _Modules(_modules(gpt2.tensor_names(config)),
+                    _fused(gpt2.packed_tensors(config), _side_by_side))
 
 
 def _bert(config) -> _Modules:
@@ -110,8 +130,37 @@ def _bert(config) -> _Modules:
                               for name, path, _ in groups[group]}))
 
 
+def _modernbert(config) -> _Modules:
+    # ModernBertModel is the encoder alone (no `model.` prefix, no masked-LM head).
+    fused = {name: paths for name, (paths, _) in modernbert.fused_tensors(config).items()}
+    return _Modules(_modules({path: name for name, path, _ in
+                              modernbert.tensor_table(config)["encoder"]}),
+                    _fused(fused, _side_by_side))
+
+
+def _gpt_oss(config) -> _Modules:
+    # Its router is no torch linear layer (transformers' GptOssTopKRouter): not adaptable.
+    names = {path: name for path, name in gpt_oss.tensor_names(config).items()
+             if "router" not in path}
+    return _Modules(_modules(names))
+
+
+def _hybrid(fused: bool) -> Callable[..., _Modules]:
+    """The `_Modules` of Qwen3-Next (`fused` Gated DeltaNet projections) or Qwen3.5: the
+    converter's packings of q_proj and of the input projections, as merges into torch weights
+    [sum n_j, d_in] (hence the transpose)."""
+    def modules(config) -> _Modules:
+        packed = qwen3_next.packed_kernels(config, fused=fused)
+        return _Modules(_modules(qwen3_next.tensor_names(config)), {
+            name.removesuffix(".weight"): (tuple(path[:-1] for path in paths),
+                                           lambda kernels, merge=merge: merge(*kernels).T)
+            for name, (paths, merge) in packed.items()})
+    return modules
+
+
 # peft (for transformers 5) rewrites every target named so on a Qwen 3 MoE or DeepSeek-V3 model
-# into the fused experts (gate_up_proj, down_proj), so the dense MLPs and shared experts, whose
+# (and Qwen3-Next, whose conversion is Qwen 2 MoE's as well) into the fused experts
+# (gate_up_proj, down_proj), so the dense MLPs and shared experts, whose
 # modules have these names too, cannot be targeted: their factors are refused.
 _MOE_NAMES = ("gate_proj", "up_proj", "down_proj")
 ARCHITECTURES: dict[str, _Export] = {
@@ -122,6 +171,14 @@ ARCHITECTURES: dict[str, _Export] = {
     **dict.fromkeys(("Gemma2ForCausalLM", "Gemma3ForCausalLM"),
                     _Export(_one_to_one(gemma.tensor_names))),
     "Olmo2ForCausalLM": _Export(_one_to_one(olmo2.tensor_names)),
+    "Olmo3ForCausalLM": _Export(_one_to_one(olmo3.tensor_names)),
+    "SmolLM3ForCausalLM": _Export(_one_to_one(smollm3.tensor_names)),
+    # The layers that share another's keys have no k_proj / v_proj (gemma4.tensor_names).
+    "Gemma4ForCausalLM": _Export(_one_to_one(gemma4.tensor_names)),
+    "GptOssForCausalLM": _Export(_gpt_oss),
+    "Qwen3NextForCausalLM": _Export(_hybrid(fused=True), taken=_MOE_NAMES),
+    **dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"), _Export(_hybrid(False))),
+    "ModernBertModel": _Export(_modernbert, task_type="FEATURE_EXTRACTION"),
     "DeepseekV3ForCausalLM": _Export(_one_to_one(deepseek.tensor_names), taken=_MOE_NAMES),
     "Phi3ForCausalLM": _Export(_phi3),
     "GPTNeoXForCausalLM": _Export(_gpt_neox),
@@ -196,11 +253,14 @@ def _adapter_tensors(model: nnx.Module, factors: dict, modules: _Modules
             tensors |= _tensors(hf_name, a, b, tables[_kind(path)] if leaf == "table" else None)
             ranks[hf_name] = a.shape[-1]
     # out_features, not the kernel's shape: a quantized kernel (tfx.quant) may be packed.
-    widths = {_kind(p): m.out_features for p, m in find_modules(model, nnx.Linear)}
-    for hf_name, parts in modules.fused.items():
+    # By path: layers of different kinds (Qwen3.5's linear and full) have different widths;
+    # stacked layers are found without their layer number.
+    widths = {path_name(p): m.out_features for p, m in find_modules(model, nnx.Linear)}
+    for hf_name, (parts, pack) in modules.fused.items():
         if any(part in factors for part in parts):
             a, b = _fused_factors([factors.get(part) for part in parts],
-                                  [widths[_kind(part)] for part in parts], modules.pack)
+                                  [widths.get(path_name(part)) or widths[_kind(part)]
+                                   for part in parts], pack)
             tensors |= _tensors(hf_name, a, b)
             ranks[hf_name] = a.shape[-1]
     return tensors, ranks
@@ -208,7 +268,7 @@ def _adapter_tensors(model: nnx.Module, factors: dict, modules: _Modules
 
 def _check_targets(factors: dict, modules: _Modules, export: _Export, architecture: str) -> None:
     """ValueError naming the first factor with no torch module that peft would adapt."""
-    packed = {part for parts in modules.fused.values() for part in parts}
+    packed = {part for parts, _ in modules.fused.values() for part in parts}
     for path in sorted(factors, key=str):
         if path not in modules.one and path not in packed:
             kinds = {_kind(p) for p in (*modules.one, *packed)}
@@ -231,10 +291,11 @@ def _modules(tensor_names: dict[Path, str]) -> dict[Path, tuple[str, str]]:
             for path, name in tensor_names.items() if path[-1] in _WEIGHTS}
 
 
-def _fused(packed: dict[str, tuple[Path, ...]]) -> dict[str, tuple[Path, ...]]:
+def _fused(packed: dict[str, tuple[Path, ...]], pack: Pack
+           ) -> dict[str, tuple[tuple[Path, ...], Pack]]:
     """A family's packed tensors (name -> parameter paths; biases too) -> fused module name ->
-    the module paths of the linear layers whose kernels it packs."""
-    return {name.removesuffix(".weight"): tuple(path[:-1] for path in paths)
+    (the module paths of the linear layers whose kernels it packs, `pack`)."""
+    return {name.removesuffix(".weight"): (tuple(path[:-1] for path in paths), pack)
             for name, paths in packed.items() if name.endswith(".weight")}
 
 

@@ -9,20 +9,25 @@ Layouts, as save_peft_adapter writes them the other way: peft's `lora_A.weight` 
 `lora_B.weight` [d_out, r] become a = Aᵀ [d_in, r] and b = Bᵀ [r, d_out]; an embedding's
 `lora_embedding_A` [r, vocab], `lora_embedding_B` [d, r] become a [vocab, r], b [r, d]. Each
 torch module name is read back through the family's tensor-name table
-(`tfx.hf.peft_adapter.ARCHITECTURES`), so every family whose adapted weights are each one torch
-module loads (LLaMA, Mistral, Mixtral, Qwen 2/3, Gemma 2/3, OLMo 2, DeepSeek-V3 attention,
-BERT). Stacked models (scan_layers) get their layers stacked, a layer the adapter leaves out
-(peft's layers_to_transform) zeros.
+(`tfx.hf.peft_adapter.ARCHITECTURES`), so every family it exports loads. Stacked models
+(scan_layers) get their layers stacked, a layer the adapter leaves out (peft's
+layers_to_transform) zeros.
+
+A fused torch module (Phi-3's qkv_proj, the hybrids' gated q_proj, Qwen3-Next's in_proj_qkvz,
+ModernBERT's Wqkv, ...) holding k tfx linear layers has one LoRA, A [R, d_in], B [sum n_j, R]:
+each part j gets a = Aᵀ and b_j = its columns of Bᵀ (unpacked by the family's own packing),
+an exact LoRA of rank R, less the ranks whose row of b_j is zero. So the block-diagonal LoRA
+of rank k·r that `save_peft_adapter` writes gives back each part's own rank-r factors, and a
+part whose block is all zeros gets none.
 
 Scales: peft's lora_alpha / r (alpha / sqrt(r) with use_rslora), r each module's own (its
 factors' shape: rank_pattern) and lora_alpha its `alpha_pattern` entry if one matches (peft's
 rule). `LoRAWeights` has one scale, the config's lora_alpha / r: a module whose scale differs
 has the ratio folded into its b.
 
-Refused (ValueError naming the module or setting): fused torch modules (Phi-3's qkv_proj and
-gate_up_proj, GPT-NeoX's query_key_value, GPT-2's c_attn), whose one LoRA is no LoRA of each
-part; settings that make an adapter more than LoRA factors (DoRA, trained biases,
-modules_to_save, ...); LoRA on tied token embeddings (peft's leaves the tied head unchanged).
+Refused (ValueError naming the module or setting): settings that make an adapter more than
+LoRA factors (DoRA, trained biases, modules_to_save, fan_in_fan_out: GPT-2's Conv1D, ...);
+LoRA on tied token embeddings (peft's leaves the tied head unchanged).
 """
 
 from __future__ import annotations
@@ -75,7 +80,7 @@ def load_peft_adapter(folder: str | pathlib.Path, model: nnx.Module, *,
       ValueError: naming the file, tensor, module or setting at fault: a missing or malformed
         file; a setting above that is not off; a tensor that is no LoRA factor, or a factor
         without its pair; a module that the base architecture does not have (the adapter is
-        for another model), a fused one, shapes that do not fit the model; an architecture
+        for another model), shapes that do not fit the model; an architecture
         tfx cannot map or that cannot express the model.
       TypeError: folder is not a str or pathlib.Path.
     """
@@ -87,16 +92,26 @@ def load_peft_adapter(folder: str | pathlib.Path, model: nnx.Module, *,
     if not file.is_file():
         raise ValueError(f"{file} is missing: a peft adapter folder holds its factors there")
     modules = _by_module(tensorfiles.header(file), file)
-    targets = _targets(set(modules), model, architecture, folder)
+    architecture, targets = _targets(set(modules), model, architecture, folder)
+    fused = ARCHITECTURES[architecture].modules(model.config).fused
     scale = _scale(config["lora_alpha"], config["r"], config["use_rslora"])
     layers = {path_name(p): m for p, m in find_modules(model, (nnx.Linear, TokenEmbedding))}
     factors = {}
     for module, parts in sorted(modules.items()):
         path, leaf = targets[module]
-        a, b = _factors(module, parts, leaf, _layer(layers, path), model.config, file)
+        if leaf == "fused":
+            a, b = _fused_module(module, parts, [_layer(layers, p) for p in path], file)
+        else:
+            # Only the token embeddings are tied to the head (not Gemma 4's per-layer ones).
+            tied = path == ("embeddings", "tokens") and model.config.embeddings.tie
+            a, b = _factors(module, parts, leaf, _layer(layers, path), tied, file)
         alpha = _pattern(config["alpha_pattern"], module, config["lora_alpha"])
         ratio = _scale(alpha, a.shape[-1], config["use_rslora"]) / scale
-        factors[path] = (a, b if ratio == 1 else (b * ratio).astype(b.dtype))
+        b = b if ratio == 1 else (b * ratio).astype(b.dtype)
+        if leaf == "fused":
+            factors |= _unfused(a, b, path, fused[module][1], [_layer(layers, p) for p in path])
+        else:
+            factors[path] = (a, b)
     if model.config.compute.scan_layers:
         factors = _stacked(factors, model.config.num_layers)
     return LoRAWeights({path_name(p): Factors(jnp.asarray(a), jnp.asarray(b))
@@ -160,9 +175,11 @@ def _by_module(entries: dict, file: pathlib.Path) -> dict[str, dict]:
 
 
 def _targets(modules: set[str], model: nnx.Module, architecture: str | None,
-             folder: pathlib.Path) -> dict[str, tuple[Path, str]]:
-    """Torch module name -> (tfx module path per layer, "kernel" or "table"), from the tables
-    of `architecture` or of every architecture that can express the model."""
+             folder: pathlib.Path) -> tuple[str, dict[str, tuple]]:
+    """An architecture whose table maps the adapter's modules (`architecture`, or every one
+    that can express the model, which must all map them alike), and its map: torch module
+    name -> (tfx module path per layer, "kernel" or "table"), or for a fused module (its parts'
+    module paths, "fused")."""
     if architecture is not None and architecture not in ARCHITECTURES:
         raise ValueError(f"architecture must be one of {sorted(ARCHITECTURES)} or None, got "
                          f"{architecture!r}")
@@ -188,7 +205,7 @@ def _targets(modules: set[str], model: nnx.Module, architecture: str | None,
     if len({tuple(sorted(m.items(), key=str)) for m in found.values()}) > 1:
         raise ValueError(f"{folder}: architectures {sorted(found)} place the adapter's modules "
                          "differently; pass architecture= the base model's")
-    return next(iter(found.values()))
+    return next(iter(found.items()))
 
 
 def _check_expresses(family, config, architecture: str) -> None:
@@ -198,18 +215,15 @@ def _check_expresses(family, config, architecture: str) -> None:
         raise ValueError(f"{architecture} cannot express a model with experts")
 
 
-def _mapped(modules: set[str], architecture: str, config, folder) -> dict[str, tuple[Path, str]]:
-    """The adapter's modules through one architecture's table; ValueError naming the first
-    module it does not have, or has fused, or gives another meaning in peft."""
+def _mapped(modules: set[str], architecture: str, config, folder) -> dict[str, tuple]:
+    """The adapter's modules through one architecture's table (see `_targets`); ValueError
+    naming the first module it does not have, or gives another meaning in peft."""
     export = ARCHITECTURES[architecture]
     table = export.modules(config)
     one = {name: (path, leaf) for path, (name, leaf) in table.one.items()}
+    one |= {name: (parts, "fused") for name, (parts, _) in table.fused.items()}
     for module in sorted(modules):
         short = module.rpartition(".")[2]
-        if module in table.fused:
-            raise ValueError(f"{folder}: {module} is a fused {architecture} module (it packs "
-                             f"{[path_name(p) for p in table.fused[module]]}); LoRA on fused "
-                             "modules cannot be loaded")
         if module not in one:
             raise ValueError(f"{folder}: module {module} is not a {architecture} module that "
                              "LoRA can adapt (the adapter is for another model?); expected "
@@ -226,15 +240,16 @@ def _layer(layers: dict[str, nnx.Module], path: Path) -> nnx.Module:
     return layers[name] if name in layers else layers[path_name(io.split_layer(path)[0])]
 
 
-def _factors(module: str, parts: dict, leaf: str, layer: nnx.Module, config,
+def _factors(module: str, parts: dict, leaf: str, layer: nnx.Module, tied: bool,
              file: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
-    """a [d_in, r], b [r, d_out] of one module, checked against the tfx layer it adapts, in
-    the dtype of its weight (float32 for a quantized one)."""
+    """a [d_in, r], b [r, d_out] of one module, checked against the tfx layer it adapts
+    (`tied`: token embeddings tied to the head, refused), in the dtype of its weight (float32
+    for a quantized one)."""
     if parts["embedding"] != (leaf == "table"):
         kind = "an embedding" if leaf == "table" else "a linear layer"
         raise ValueError(f"{file}: {module} is {kind} but its factors are stored as "
                          f"{'an embedding' if parts['embedding'] else 'a linear layer'}'s")
-    if leaf == "table" and config.embeddings.tie:
+    if tied:
         raise ValueError(f"{file}: LoRA on {module}, the tied token embeddings, cannot be "
                          "loaded: peft's embedding adapter leaves the tied head unchanged")
     a, b = (tensorfiles.read(parts[p][1], parts[p][0]).T for p in ("A", "B"))
@@ -248,8 +263,52 @@ def _factors(module: str, parts: dict, leaf: str, layer: nnx.Module, config,
                          f"B [{d_out}, r]")
     if "base" in parts:
         _check_base(parts["base"], weight, leaf, module, file)
-    dtype = weight.dtype if jnp.issubdtype(weight.dtype, jnp.floating) else np.float32
+    dtype = _dtype(weight)
     return a.astype(dtype), b.astype(dtype)
+
+
+def _fused_module(module: str, parts: dict, layers: list[nnx.Module], file: pathlib.Path
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """a [d_in, R], b [R, sum n_j] (the fused module's layout) of a fused module, checked
+    against the tfx linear layers it packs."""
+    if parts["embedding"]:
+        raise ValueError(f"{file}: {module} is a linear layer but its factors are stored as "
+                         "an embedding's")
+    a, b = (tensorfiles.read(parts[p][1], parts[p][0]).T for p in ("A", "B"))
+    d_in, d_out = layers[0].in_features, sum(layer.out_features for layer in layers)
+    r = a.shape[-1]
+    if a.shape != (d_in, r) or b.shape != (r, d_out):
+        raise ValueError(f"{file}: factors of {module} have shapes A {a.T.shape}, B {b.T.shape};"
+                         f" the model's layers it packs ({d_in} -> {d_out}) need A [r, {d_in}], "
+                         f"B [{d_out}, r]")
+    return a, b
+
+
+def _unfused(a: np.ndarray, b: np.ndarray, paths: tuple[Path, ...], pack,
+             layers: list[nnx.Module]) -> dict[Path, tuple[np.ndarray, np.ndarray]]:
+    """Each part's factors of a fused module's LoRA a [d_in, R], b [R, sum n_j]: a, and its
+    columns of b, without the ranks whose row there is zero (a part with no other gets none).
+    `pack`: the family's packing of the parts' kernels (tfx.hf.peft_adapter), a permutation
+    of columns, inverted here by packing the columns' own indices."""
+    widths = [layer.out_features for layer in layers]
+    starts = np.cumsum([0, *widths])
+    order = pack([np.arange(start, start + n)[None]
+                  for start, n in zip(starts[:-1], widths, strict=True)])[0]
+    side_by_side = np.empty_like(b)
+    side_by_side[:, order] = b  # packed column c is column order[c] of the parts side by side
+    out = {}
+    for path, layer, part in zip(paths, layers, np.split(side_by_side, starts[1:-1], axis=1),
+                                 strict=True):
+        used = np.any(part != 0, axis=1)
+        if used.any():
+            dtype = _dtype(layer.kernel[...])
+            out[path] = (a[:, used].astype(dtype), part[used].astype(dtype))
+    return out
+
+
+def _dtype(weight) -> np.dtype:
+    """Factors take the dtype of the weight they adapt (float32 for a quantized one)."""
+    return weight.dtype if jnp.issubdtype(weight.dtype, jnp.floating) else np.dtype(np.float32)
 
 
 def _check_base(part: tuple, weight, leaf: str, module: str, file: pathlib.Path) -> None:

@@ -60,8 +60,8 @@ from tfx.models.config import DecoderConfig
 
 __all__ = ["ARCHITECTURES", "CARD", "HAS_EXPERTS", "HYBRID_DEFAULTS", "IGNORED",
            "OPTIONAL_PARAMS", "config_from_hf", "config_to_hf", "hybrid_fields", "hybrid_steps",
-           "hybrid_tensors", "hybrid_to_hf", "moe_to_hf", "params_from_hf", "params_to_hf",
-           "shared_experts", "steps"]
+           "hybrid_tensors", "hybrid_to_hf", "moe_to_hf", "packed_kernels", "params_from_hf",
+           "params_to_hf", "shared_experts", "steps", "tensor_names"]
 
 ARCHITECTURES = ("Qwen3NextForCausalLM",)
 HAS_EXPERTS = True  # its models have experts, `moe` (tfx.hf.save)
@@ -244,7 +244,7 @@ def hybrid_steps(names, config: DecoderConfig, *, fused: bool) -> list[plan.Step
     holding tensors `names`."""
     out = [plan.Step((path,), (name,), _from_norm_weight) if path[-1] == "scale"
            else plan.copy(path, name, transpose=path[-1] == "kernel")
-           for path, name in _tensor_names(config).items()]
+           for path, name in tensor_names(config).items()]
     out += [plan.Step(packed.targets, (packed.name,), packed.split)
             for packed in _packed(config, fused)]
     for i in _moe_layers(config):
@@ -258,7 +258,7 @@ def hybrid_tensors(params: dict, config: DecoderConfig, *, fused: bool
                    ) -> dict[str, np.ndarray]:
     """The inverse of `hybrid_steps`: HF tensors by name, experts one tensor each."""
     tensors = {name: _to_hf(path, np.asarray(params[path]))
-               for path, name in _tensor_names(config).items()}
+               for path, name in tensor_names(config).items()}
     tensors |= {packed.name: packed.merge(*(np.asarray(params[path]) for path in packed.targets))
                 for packed in _packed(config, fused)}
     for i in _moe_layers(config):
@@ -271,7 +271,7 @@ def _moe_layers(config: DecoderConfig) -> list[int]:
     return [i for i in range(config.num_layers) if config.is_moe_layer(i)]
 
 
-def _tensor_names(config: DecoderConfig) -> dict[tuple, str]:
+def tensor_names(config: DecoderConfig) -> dict[tuple, str]:
     """tfx path -> HF tensor name of every parameter stored as one tensor as it is (kernels
     transposed; `scale`s, the (1 + weight) norms, shifted): all but the packed projections,
     the convolutions and the routed experts."""
@@ -304,6 +304,15 @@ def _tensor_names(config: DecoderConfig) -> dict[tuple, str]:
             for ours, theirs in _MLP.items():
                 names[(*layer, "mlp", ours, "kernel")] = f"{hf}.mlp.{theirs}.weight"
     return names
+
+
+def packed_kernels(config: DecoderConfig, *, fused: bool
+                   ) -> dict[str, tuple[tuple[tuple, ...], Callable[..., np.ndarray]]]:
+    """HF weight name -> (the kernels it packs, in order; `merge`: those kernels [d_in, n_j]
+    -> the weight [sum n_j, d_in]) of every linear layer holding tfx kernels in its own layout:
+    the full layers' q_proj, the linear layers' input projections (`fused`: Qwen3-Next's)."""
+    return {packed.name: (packed.targets, packed.merge) for packed in _packed(config, fused)
+            if all(path[-1] == "kernel" for path in packed.targets)}
 
 
 def _packed(config: DecoderConfig, fused: bool) -> list[_Packed]:
