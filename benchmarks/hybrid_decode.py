@@ -13,11 +13,14 @@ Two models with random weights, written by transformers' `save_pretrained` and r
   - "linear": the same with all 4 layers linear, whose step cost cannot depend on the context
     (tfx only: transformers 5.25's generate fails on a model without attention layers, in
     `get_mask_sizes`).
-For each context length L (the prompt) and batch, each side generates N0 and N0 + N new tokens
-after the same prompt; one decoding step costs (time(N0 + N) - time(N0)) / N, which removes
-the prefill and the first tokens. tokens/s counts the new tokens of the whole batch per
-second of decoding steps. "step ratio 4k/256" is how much a step costs more at the longer
-context: 1 means flat. Times are medians of --repeats runs, tfx and transformers alternating.
+For each context length L (the prompt) and batch, both sides prefill the prompt once (not
+timed), then run N greedy decoding steps from that cache, each step feeding back its argmax:
+tfx as one jitted `lax.fori_loop` over `model(token, cache=cache)` (what `tfx.generate` runs
+after its prefill), transformers as its forward with `past_key_values` in a Python loop (what
+its `generate` runs). A step costs the time of the N steps / N; tokens/s counts the new tokens
+of the whole batch. "step 4k/256" is how much a step costs more at the longer context: 1 means
+flat. Times are medians of --repeats runs, tfx and transformers alternating. Greedy
+`tfx.generate` and transformers' `generate` are checked to give the same tokens (not timed).
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from timing import add_output_arguments, markdown_path, markdown_table, provenance, publish
 
 import tfx
@@ -66,43 +71,77 @@ def build(linear_only: bool, folder: pathlib.Path):
     return tfx.hf.load(folder), hf_model
 
 
-def runners(model, hf_model, prompts: np.ndarray, new_tokens: int) -> dict:
-    """Blocking calls that generate `new_tokens` greedy tokens after `prompts` on each side
-    (tfx alone when hf_model is None)."""
+def tfx_decoder(model, prompts: np.ndarray, steps: int):
+    """A blocking call that runs `steps` greedy decoding steps after the prefilled prompt."""
+    graphdef, state = nnx.split(model)
+    ids = jnp.asarray(prompts, jnp.int32)
+
+    @jax.jit
+    def prefill(state, ids):
+        model = nnx.merge(graphdef, state)
+        cache = model.init_cache(ids.shape[0], ids.shape[1] + steps + 1)
+        logits, cache = model(ids, cache=cache)
+        return jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32), cache
+
+    @jax.jit
+    def decode(state, token, cache):
+        model = nnx.merge(graphdef, state)
+
+        def step(_, carry):
+            token, cache = carry
+            logits, cache = model(token, cache=cache)
+            return jnp.argmax(logits[:, -1:], axis=-1).astype(jnp.int32), cache
+
+        return jax.lax.fori_loop(0, steps, step, (token, cache))[0]
+
+    token, cache = prefill(state, ids)
+    return lambda: decode(state, token, cache).block_until_ready()
+
+
+def torch_decoder(hf_model, prompts: np.ndarray, steps: int):
+    """A call that prefills (not timed) and returns the seconds of `steps` greedy steps."""
     import torch
 
-    ids = jax.numpy.asarray(prompts, jax.numpy.int32)
-    torch_ids = torch.from_numpy(prompts.astype(np.int64))
+    ids = torch.from_numpy(prompts.astype(np.int64))
 
-    def ours():
-        return np.asarray(tfx.generate(model, ids, max_new_tokens=new_tokens, temperature=0.0))
-
-    def theirs():
+    def run() -> float:
         with torch.no_grad():
-            return hf_model.generate(torch_ids, attention_mask=torch.ones_like(torch_ids),
-                                     do_sample=False, max_new_tokens=new_tokens,
-                                     min_new_tokens=new_tokens).numpy()
+            out = hf_model(ids, use_cache=True)
+            start = time.perf_counter()
+            for _ in range(steps):
+                token = out.logits[:, -1:].argmax(-1)
+                out = hf_model(token, past_key_values=out.past_key_values, use_cache=True)
+            return time.perf_counter() - start
 
-    return {"tfx": ours} if hf_model is None else {"tfx": ours, "transformers": theirs}
+    return run
 
 
-def step_seconds(model, hf_model, prompts: np.ndarray, first: int, more: int,
-                 repeats: int) -> tuple[dict, bool | None]:
-    """Seconds of one decoding step on each side, and whether their tokens agree (None
-    without transformers)."""
-    short, long = (runners(model, hf_model, prompts, n) for n in (first, first + more))
-    outputs = {name: run() for name, run in long.items()}  # also warms both up
-    same = None if hf_model is None else np.array_equal(outputs["tfx"], outputs["transformers"])
-    short["tfx"]()
-    times = {(name, n): [] for name in long for n in ("short", "long")}
+def same_tokens(model, hf_model, prompts: np.ndarray, steps: int) -> bool:
+    """Whether greedy tfx.generate and transformers' generate give the same new tokens."""
+    import torch
+
+    ours = np.asarray(tfx.generate(model, jnp.asarray(prompts, jnp.int32),
+                                   max_new_tokens=steps, temperature=0.0))
+    ids = torch.from_numpy(prompts.astype(np.int64))
+    with torch.no_grad():
+        theirs = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=steps, min_new_tokens=steps).numpy()
+    return np.array_equal(ours, theirs)
+
+
+def step_seconds(model, hf_model, prompts: np.ndarray, steps: int, repeats: int) -> dict:
+    """Median seconds of one decoding step on each side (tfx alone when hf_model is None)."""
+    ours = tfx_decoder(model, prompts, steps)
+    ours()  # compiles
+    theirs = None if hf_model is None else torch_decoder(hf_model, prompts, steps)
+    times = {"tfx": []} | ({} if theirs is None else {"transformers": []})
     for _ in range(repeats):
-        for name in long:
-            for n, run in (("short", short[name]), ("long", long[name])):
-                start = time.perf_counter()
-                run()
-                times[name, n].append(time.perf_counter() - start)
-    median = {k: statistics.median(v) for k, v in times.items()}
-    return {name: (median[name, "long"] - median[name, "short"]) / more for name in long}, same
+        start = time.perf_counter()
+        ours()
+        times["tfx"].append(time.perf_counter() - start)
+        if theirs is not None:
+            times["transformers"].append(theirs())
+    return {name: statistics.median(t) / steps for name, t in times.items()}
 
 
 def measure(args) -> list[dict]:
@@ -116,8 +155,10 @@ def measure(args) -> list[dict]:
                 for context in args.contexts:
                     prompts = np.random.default_rng(context + batch).integers(
                         1, VOCAB, (batch, context))
-                    step, same = step_seconds(model, hf_model, prompts, args.first,
-                                              args.new_tokens, args.repeats)
+                    step = step_seconds(model, hf_model, prompts, args.new_tokens,
+                                        args.repeats)
+                    same = (None if hf_model is None
+                            else same_tokens(model, hf_model, prompts, args.check_tokens))
                     row = {"model": kind, "batch": batch, "context": context,
                            "tokens_equal": same}
                     for name, s in step.items():
@@ -161,14 +202,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 4096])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--first", type=int, default=8, help="N0: tokens of the short run")
-    parser.add_argument("--new-tokens", type=int, default=32, help="N: the decoding steps timed")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64, help="N: the decoding steps timed")
+    parser.add_argument("--check-tokens", type=int, default=16,
+                        help="new tokens compared between tfx.generate and transformers")
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="context 64, batch 1, 1 repeat")
     add_output_arguments(parser)
     args = parser.parse_args()
     if args.quick:
         args.contexts, args.batches, args.repeats, args.new_tokens = [32, 64], [1], 1, 8
+        args.check_tokens = 4
     if min(args.contexts + args.batches) < 1 or args.repeats < 1 or args.new_tokens < 1:
         parser.error("--contexts, --batches, --repeats and --new-tokens must be >= 1")
     results = {"provenance": provenance("hybrid_decode.py"), "contexts": args.contexts,
