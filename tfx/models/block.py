@@ -68,58 +68,25 @@ class Block(nnx.Module):
                  moe: bool = False, layer_type: str = "full", positional: bool = True,
                  attention_norm: bool = True, shares_keys: bool = False, rngs: nnx.Rngs):
         c = config
-        kinds = dtypes(c)
-        kv_heads, head_dim = c.layer_heads(layer_type)
-
-        def attention(**kwargs):
-            return Attention(c.d_model, c.num_heads, num_kv_heads=kv_heads,
-                             head_dim=head_dim, use_bias=c.use_bias,
-                             qkv_bias=c.attention.qkv_bias, out_bias=c.attention.out_bias,
-                             qk_norm=c.attention.qk_norm,
-                             norm_eps=c.norm.eps, scale=c.attention.scale,
-                             softcap=c.attention.softcap, value_norm=c.attention.value_norm,
-                             implementation=c.attention.implementation,
-                             rngs=rngs, **kinds, **kwargs)
-
-        def norm(present: bool = True):
-            return model_norm(c, rngs=rngs) if present else None
-
         self.pre_norm, self.parallel_mlp = c.norm.pre_norm, c.mlp.parallel
         inputs = c.norm.inputs or not c.norm.pre_norm
         position = _position(c, layer_type, rngs) if positional else None
-        latent = getattr(c, "latent", None)  # decoders only
-        if layer_type == "linear":
-            self.attention = GatedDeltaNet(c.d_model, **dataclasses.asdict(c.linear),
-                                           norm_eps=c.norm.eps, rngs=rngs, **kinds)
-        elif latent is None:
-            self.attention = attention(position=position, sinks=c.attention.sinks,
-                                       output_gate=c.attention.output_gate,
-                                       projects_keys=not shares_keys,
-                                       values_are_keys=layer_type == "full"
-                                       and c.attention.full_values_are_keys)
-        else:
-            self.attention = LatentAttention(
-                c.d_model, c.num_heads, **dataclasses.asdict(latent), use_bias=c.use_bias,
-                scale=c.attention.scale, position=position, norm_eps=c.norm.eps,
-                softcap=c.attention.softcap, implementation=c.attention.implementation,
-                rngs=rngs, **kinds)
-        self.attention_norm = norm(inputs and attention_norm)
-        self.attention_output_norm = norm(c.norm.outputs)
-        self.cross_attention = attention() if cross_attention else None
-        self.cross_norm = norm(inputs and cross_attention)
-        self.cross_output_norm = norm(c.norm.outputs and cross_attention)
-        if moe:
-            self.mlp = MoE(c.d_model, c.moe.d_ff or c.d_ff, activation=c.mlp.activation,
-                           gated=c.mlp.gated, implementation=c.moe.dispatch,
-                           **_moe_options(c.moe), rngs=rngs, **kinds)
-        else:
-            self.mlp = MLP(c.d_model, c.d_ff * (2 if shares_keys and c.mlp.wide_shared else 1),
-                           activation=c.mlp.activation, gated=c.mlp.gated,
-                           use_bias=c.use_bias, rngs=rngs, **kinds)
-        self.mlp_norm = norm(inputs)
-        self.mlp_output_norm = norm(c.norm.outputs)
+        self.attention = _token_mixer(c, layer_type, position, shares_keys, rngs)
+        self.attention_norm = self._norm(c, inputs and attention_norm, rngs)
+        self.attention_output_norm = self._norm(c, c.norm.outputs, rngs)
+        self.cross_attention = _attention(c, layer_type, rngs) if cross_attention else None
+        self.cross_norm = self._norm(c, inputs and cross_attention, rngs)
+        self.cross_output_norm = self._norm(c, c.norm.outputs and cross_attention, rngs)
+        self.mlp = _feed_forward(c, moe, shares_keys, rngs)
+        self.mlp_norm = self._norm(c, inputs, rngs)
+        self.mlp_output_norm = self._norm(c, c.norm.outputs, rngs)
         self.dropout = make_dropout(c.dropout, rngs=rngs)
         self.per_layer_input, self.layer_scale = _layer_output_parts(c, rngs)
+
+    @staticmethod
+    def _norm(config: TransformerConfig, present: bool, rngs: nnx.Rngs) -> nnx.Module | None:
+        """The model's norm where the layer has one (`present`), else None."""
+        return model_norm(config, rngs=rngs) if present else None
 
     def __call__(self, x: jax.Array, *, context: jax.Array | LayerKV | None = None,
                  context_mask: jax.Array | None = None,
@@ -211,6 +178,55 @@ class RematBlock(Block):
         policy = checkpoint_policy(self.remat_policy)
         return nnx.remat(lambda block, h: Block.__call__(block, h, **kwargs),
                          policy=policy)(self, x)
+
+
+def _attention(config: TransformerConfig, layer_type: str, rngs: nnx.Rngs,
+               **options) -> Attention:
+    """An `Attention` of a layer of `layer_type` (its heads: `TransformerConfig.layer_heads`),
+    with the config's attention options and `options` (position, sinks, ...) on top."""
+    c = config
+    kv_heads, head_dim = c.layer_heads(layer_type)
+    return Attention(c.d_model, c.num_heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                     use_bias=c.use_bias, qkv_bias=c.attention.qkv_bias,
+                     out_bias=c.attention.out_bias, qk_norm=c.attention.qk_norm,
+                     norm_eps=c.norm.eps, scale=c.attention.scale,
+                     softcap=c.attention.softcap, value_norm=c.attention.value_norm,
+                     implementation=c.attention.implementation, rngs=rngs, **dtypes(c),
+                     **options)
+
+
+def _token_mixer(config: TransformerConfig, layer_type: str, position: Position | None,
+                 shares_keys: bool, rngs: nnx.Rngs) -> nnx.Module:
+    """What mixes a layer's tokens: Gated DeltaNet for a "linear" layer, latent attention
+    when the config has `latent` (decoders only), else self-attention with its options."""
+    c, kinds = config, dtypes(config)
+    if layer_type == "linear":
+        return GatedDeltaNet(c.d_model, **dataclasses.asdict(c.linear), norm_eps=c.norm.eps,
+                             rngs=rngs, **kinds)
+    latent = getattr(c, "latent", None)
+    if latent is not None:
+        return LatentAttention(
+            c.d_model, c.num_heads, **dataclasses.asdict(latent), use_bias=c.use_bias,
+            scale=c.attention.scale, position=position, norm_eps=c.norm.eps,
+            softcap=c.attention.softcap, implementation=c.attention.implementation,
+            rngs=rngs, **kinds)
+    return _attention(c, layer_type, rngs, position=position, sinks=c.attention.sinks,
+                      output_gate=c.attention.output_gate, projects_keys=not shares_keys,
+                      values_are_keys=layer_type == "full" and c.attention.full_values_are_keys)
+
+
+def _feed_forward(config: TransformerConfig, moe: bool, shares_keys: bool,
+                  rngs: nnx.Rngs) -> MLP | MoE:
+    """A layer's feed-forward part: a mixture of experts (`moe`), else an MLP, twice as wide
+    in a layer that shares keys when the config says so (mlp.wide_shared, Gemma 4)."""
+    c, kinds = config, dtypes(config)
+    if moe:
+        return MoE(c.d_model, c.moe.d_ff or c.d_ff, activation=c.mlp.activation,
+                   gated=c.mlp.gated, implementation=c.moe.dispatch, **_moe_options(c.moe),
+                   rngs=rngs, **kinds)
+    width = c.d_ff * (2 if shares_keys and c.mlp.wide_shared else 1)
+    return MLP(c.d_model, width, activation=c.mlp.activation, gated=c.mlp.gated,
+               use_bias=c.use_bias, rngs=rngs, **kinds)
 
 
 def _layer_output_parts(config: TransformerConfig, rngs: nnx.Rngs) -> tuple:
