@@ -63,7 +63,8 @@ from tfx.models import families
 from tfx.models.config import DecoderConfig
 
 __all__ = ["ARCHITECTURES", "CARDS", "IGNORED", "MULTIMODAL", "OPTIONAL_PARAMS", "config_from_hf",
-           "config_to_hf", "params_from_hf", "params_to_hf", "steps", "tensor_names"]
+           "config_to_hf", "params_from_hf", "params_to_hf", "scale_from_weight", "steps",
+           "tensor_names", "tensor_to_hf"]
 
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 ARCHITECTURES = (GEMMA2, GEMMA3)
@@ -235,7 +236,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], config: DecoderConfig) -> dic
 def steps(names, config: DecoderConfig) -> list[plan.Step]:
     """The conversion plan for a checkpoint holding tensors `names` (see `tfx.hf.plan`):
     norm weights become scales 1 + weight, linear weights are transposed."""
-    out = [plan.Step((path,), (name,), _scale_from_weight) if path[-1] == "scale"
+    out = [plan.Step((path,), (name,), scale_from_weight) if path[-1] == "scale"
            else plan.copy(path, name, transpose=path[-1] == "kernel")
            for path, name in tensor_names(config).items()]
     if config.embeddings.tie and "lm_head.weight" in names:  # a copy: checked, not used
@@ -246,16 +247,19 @@ def steps(names, config: DecoderConfig) -> list[plan.Step]:
 def params_to_hf(params: dict, config: DecoderConfig) -> dict[str, np.ndarray]:
     """tfx parameters by state path -> HF tensors (lm_head left out when tied, as
     save_pretrained does)."""
-    return {name: _to_hf(path, params[path]) for path, name in tensor_names(config).items()}
+    return {name: tensor_to_hf(path, params[path]) for path, name in tensor_names(config).items()}
 
 
-def _scale_from_weight(weight: np.ndarray) -> tuple[np.ndarray]:
-    # Gemma's RMSNorm multiplies by 1 + weight, computed in float32 (as transformers does).
+def scale_from_weight(weight: np.ndarray) -> tuple[np.ndarray]:
+    """An HF (1 + w) RMSNorm weight w (Gemma, Qwen3-Next) -> the tfx scale 1 + w, computed in
+    float32 as transformers computes it."""
     return (np.asarray(weight, np.float32) + np.float32(1),)
 
 
-def _to_hf(path: tuple, value: np.ndarray) -> np.ndarray:
-    if path[-1] == "scale":  # the inverse of _scale_from_weight, in the parameter's dtype
+def tensor_to_hf(path: tuple, value: np.ndarray) -> np.ndarray:
+    """A tfx parameter at `path` -> its HF tensor: a (1 + w) norm's scale back to w, in the
+    parameter's dtype; a kernel transposed."""
+    if path[-1] == "scale":  # the inverse of scale_from_weight, in the parameter's dtype
         return (np.asarray(value, np.float32) - np.float32(1)).astype(value.dtype)
     return value.T if path[-1] == "kernel" else value  # nn.Linear weights are [out, in]
 

@@ -54,7 +54,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tfx.hf import decoder_parts, mixtral, plan, qwen
+from tfx.hf import decoder_parts, gemma, mixtral, plan, qwen
 from tfx.models import families
 from tfx.models.config import DecoderConfig
 
@@ -242,7 +242,7 @@ class _Packed:
 def hybrid_steps(names, config: DecoderConfig, *, fused: bool) -> list[plan.Step]:
     """The plan of a Qwen3-Next (`fused` Gated DeltaNet projections) or Qwen3.5 checkpoint
     holding tensors `names`."""
-    out = [plan.Step((path,), (name,), _from_norm_weight) if path[-1] == "scale"
+    out = [plan.Step((path,), (name,), gemma.scale_from_weight) if path[-1] == "scale"
            else plan.copy(path, name, transpose=path[-1] == "kernel")
            for path, name in tensor_names(config).items()]
     out += [plan.Step(packed.targets, (packed.name,), packed.split)
@@ -257,7 +257,7 @@ def hybrid_steps(names, config: DecoderConfig, *, fused: bool) -> list[plan.Step
 def hybrid_tensors(params: dict, config: DecoderConfig, *, fused: bool
                    ) -> dict[str, np.ndarray]:
     """The inverse of `hybrid_steps`: HF tensors by name, experts one tensor each."""
-    tensors = {name: _to_hf(path, np.asarray(params[path]))
+    tensors = {name: gemma.tensor_to_hf(path, np.asarray(params[path]))
                for path, name in tensor_names(config).items()}
     tensors |= {packed.name: packed.merge(*(np.asarray(params[path]) for path in packed.targets))
                 for packed in _packed(config, fused)}
@@ -366,17 +366,6 @@ def _linear_packed(linear, attention: tuple, prefix: str, fused: bool) -> list[_
                           functools.partial(_split_rows, (size,)), _merge_rows)
                   for kernel, letter, size in zip(kernels[3:], "zba", (
                       linear.heads * linear.value_dim, linear.heads, linear.heads), strict=True)]
-
-
-def _from_norm_weight(weight: np.ndarray) -> tuple[np.ndarray]:
-    # The (1 + weight) RMSNorms, computed in float32 as transformers computes 1 + weight.float().
-    return (np.asarray(weight, np.float32) + np.float32(1),)
-
-
-def _to_hf(path: tuple, value: np.ndarray) -> np.ndarray:
-    if path[-1] == "scale":  # the inverse of _from_norm_weight, in the parameter's dtype
-        return (np.asarray(value, np.float32) - np.float32(1)).astype(value.dtype)
-    return value.T if path[-1] == "kernel" else value  # nn.Linear weights are [out, in]
 
 
 def _split_query_gate(heads: int, transposed: bool, packed: np.ndarray
