@@ -38,7 +38,7 @@ from causal_lm_parity import (  # noqa: E402
 
 import tfx.hf  # noqa: E402
 from tfx.hf import gemma4  # noqa: E402
-from tfx.ops.positional.proportional import ProportionalScaling  # noqa: E402
+from tfx.ops.positional import ProportionalScaling  # noqa: E402
 
 GEMMA4 = "Gemma4ForCausalLM"
 SEQ, WINDOW, NEW = 12, 4, 12

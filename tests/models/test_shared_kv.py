@@ -13,7 +13,7 @@ from flax import nnx
 from tfx.models.config import DecoderConfig
 from tfx.models.decoder import Decoder
 from tfx.nn.attention import NoCache, RecordKeys, SharedKeys
-from tfx.ops.positional.proportional import ProportionalScaling
+from tfx.ops.positional import ProportionalScaling
 
 KINDS = ("sliding", "full", "sliding", "sliding", "full")
 CONFIG = DecoderConfig(

@@ -1,4 +1,4 @@
-"""tfx.ops.positional.proportional.ProportionalScaling: transformers' "proportional" rope
+"""tfx.ops.positional.ProportionalScaling: transformers' "proportional" rope
 (`_compute_proportional_rope_parameters`), written out in numpy: over the whole head d, pairs
 (i, i + d/2); the first int(fraction · d // 2) pairs turn by p · theta^(-2i/d) / factor, the
 others stay."""
@@ -6,8 +6,7 @@ others stay."""
 import numpy as np
 import pytest
 
-from tfx.ops.positional import apply_rope
-from tfx.ops.positional.proportional import ProportionalScaling
+from tfx.ops.positional import ProportionalScaling, apply_rope
 
 
 def _reference(x, positions, theta, fraction, factor):

@@ -347,8 +347,8 @@ POSITIONS = jnp.arange(5)
      r"x must have 4 dims \[batch, seq, heads, head_dim\], got shape \(5, 3, 8\)"),
     (lambda: apply_rope(X, POSITIONS, theta=-1.0), ValueError, r"theta must be > 0, got -1.0"),
     (lambda: apply_rope(X, POSITIONS, scaling="linear"), TypeError,
-     # ProportionalScaling joins the list when tfx.ops.positional.proportional is imported
-     r"scaling must be None or one of LinearScaling, .*Llama3Scaling.*, got str"),
+     r"scaling must be None or one of LinearScaling, NTKScaling, DynamicNTKScaling, "
+     r"YaRNScaling, Llama3Scaling, ProportionalScaling, got str"),
     (lambda: rope_frequencies(8, scaling={"rope_type": "linear", "factor": 2.0}), TypeError,
      r"scaling must be None or one of .*, got dict"),
     (lambda: rope_frequencies(7), ValueError, r"rotary_dim must be even, got 7"),

@@ -23,7 +23,7 @@ q/k norms, embeddings times sqrt(hidden_size), tanh-GELU gated MLP) with:
 - rope_parameters by layer type: "sliding_attention" default rope -> rope.local_theta;
   "full_attention" default, or "proportional" (the first partial_rotary_factor of the rotation
   pairs turn, with the whole head's frequencies) -> rope.theta and rope.scaling
-  (`tfx.ops.positional.proportional.ProportionalScaling`; None when it rotates everything
+  (`tfx.ops.positional.ProportionalScaling`; None when it rotates everything
   unscaled).
 
 The Hub's checkpoints are image-audio-text models: `Gemma4ForConditionalGeneration`
@@ -50,7 +50,7 @@ from tfx.hf import decoder_parts, gemma, plan
 from tfx.hf.families import Multimodal
 from tfx.models import families
 from tfx.models.config import DecoderConfig
-from tfx.ops.positional.proportional import ProportionalScaling
+from tfx.ops.positional import ProportionalScaling
 
 __all__ = ["ARCHITECTURES", "CARDS", "IGNORED", "MULTIMODAL", "OPTIONAL_PARAMS",
            "config_from_hf", "config_to_hf", "params_from_hf", "params_to_hf", "steps",

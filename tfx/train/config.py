@@ -336,12 +336,12 @@ def experiment_from_dict(data: dict) -> Experiment:
 
 def _types() -> dict[str, type]:
     from tfx.models.config import EncoderConfig, EncoderDecoderConfig
-    from tfx.ops.positional import RopeScaling
+    from tfx.ops.positional import SCALINGS
 
     known = (Experiment, TrainConfig, OptimConfig, DataConfig, MeshConfig, PreferenceConfig,
              *METHODS.values(),
              DecoderConfig, EncoderConfig, EncoderDecoderConfig, *SUBCONFIGS.values(),
-             *RopeScaling.__subclasses__())
+             *SCALINGS)
     return {cls.__name__: cls for cls in known}
 
 

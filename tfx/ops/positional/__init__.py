@@ -1,7 +1,8 @@
 """Positional encodings as pure functions.
 
 Absolute: `sinusoidal` (learned absolute embeddings are a module in `tfx.nn`). Rotary:
-`apply_rope` with linear / NTK / dynamic NTK / YaRN / llama3 scaling. Relative biases:
+`apply_rope` with linear / NTK / dynamic NTK / YaRN / llama3 /
+proportional scaling. Relative biases:
 `t5_relative_bias` (T5 buckets), `alibi_bias` (ALiBi), and Transformer-XL's relative scores.
 NoPE ("no positional encoding") is simply none of these.
 """
@@ -9,10 +10,12 @@ NoPE ("no positional encoding") is simply none of these.
 from tfx.ops.positional.absolute import sinusoidal
 from tfx.ops.positional.alibi import alibi_bias, alibi_slopes
 from tfx.ops.positional.rope import (
+    SCALINGS,
     DynamicNTKScaling,
     LinearScaling,
     Llama3Scaling,
     NTKScaling,
+    ProportionalScaling,
     RopeScaling,
     YaRNScaling,
     apply_rope,
@@ -26,10 +29,12 @@ from tfx.ops.positional.transformer_xl import (
 )
 
 __all__ = [
+    "SCALINGS",
     "DynamicNTKScaling",
     "LinearScaling",
     "Llama3Scaling",
     "NTKScaling",
+    "ProportionalScaling",
     "RopeScaling",
     "YaRNScaling",
     "alibi_bias",

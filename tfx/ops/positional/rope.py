@@ -28,10 +28,12 @@ from tfx import names
 from tfx.ops import _checks
 
 __all__ = [
+    "SCALINGS",
     "DynamicNTKScaling",
     "LinearScaling",
     "Llama3Scaling",
     "NTKScaling",
+    "ProportionalScaling",
     "RopeScaling",
     "YaRNScaling",
     "apply_rope",
@@ -266,6 +268,48 @@ class Llama3Scaling(RopeScaling):
         return (1 - kept) * inv_freq / self.factor + kept * inv_freq
 
 
+@dataclasses.dataclass(frozen=True)
+class ProportionalScaling(RopeScaling):
+    """Proportional RoPE (Gemma 4's full-attention layers): frequencies theta^(-2i/d) / factor
+    for the first int(fraction · d // 2) pairs, zero for the rest (d: the rotary width, the
+    head's with rotary_fraction 1).
+
+    Unlike a partial rotary (`rotary_fraction`, which rotates the first features with
+    frequencies of the rotary width), the pairs stay those of the whole head ("half": i and
+    i + d/2) and the exponents use d: the frequencies are the full rotary's first ones, then
+    zeros.
+
+    HF: `rope_parameters = {"rope_type": "proportional", "partial_rotary_factor": fraction,
+    "factor": factor}`.
+    """
+
+    fraction: float
+    factor: float = 1.0
+
+    def __post_init__(self):
+        for name in ("fraction", "factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"ProportionalScaling.{name} must be a number > 0, got "
+                                 f"{value!r}")
+            object.__setattr__(self, name, float(value))  # 1 and 1.0 hash alike for jit
+        if self.fraction > 1.0:
+            raise ValueError(f"ProportionalScaling.fraction must be <= 1, got {self.fraction}")
+
+    def _inv_freq(self, rotary_dim: int, theta: float, seq_len) -> jax.Array:
+        """float32 [rotary_dim // 2]."""
+        rotated = int(self.fraction * rotary_dim // 2)  # transformers' count of rotated pairs
+        exponent = jnp.arange(0, 2 * rotated, 2, dtype=jnp.float32) / rotary_dim
+        inv_freq = jnp.concatenate([1.0 / theta**exponent,
+                                    jnp.zeros(rotary_dim // 2 - rotated, jnp.float32)])
+        return inv_freq / self.factor
+
+
+# Every scaling, for the refusal below and the run configs' type table (tfx.train.config).
+SCALINGS = (LinearScaling, NTKScaling, DynamicNTKScaling, YaRNScaling, Llama3Scaling,
+            ProportionalScaling)
+
+
 def rope_frequencies(
     rotary_dim: int,
     *,
@@ -281,8 +325,7 @@ def rope_frequencies(
     Args:
       rotary_dim: number of rotated features per head, even and >= 2.
       theta: the base (HF `rope_theta`).
-      scaling: None or one of LinearScaling, NTKScaling, DynamicNTKScaling, YaRNScaling,
-        Llama3Scaling.
+      scaling: None or one of `SCALINGS`.
       seq_len: int scalar (may be traced), the current length L; read only by DynamicNTKScaling
         (None = unscaled, as HF at init).
     Returns:
@@ -295,7 +338,7 @@ def rope_frequencies(
     if scaling is None:
         return _unscaled_inv_freq(theta, rotary_dim), 1.0
     if not isinstance(scaling, RopeScaling):
-        names = ", ".join(cls.__name__ for cls in RopeScaling.__subclasses__())
+        names = ", ".join(cls.__name__ for cls in SCALINGS)
         raise TypeError(f"scaling must be None or one of {names}, got {type(scaling).__name__}")
     return scaling._inv_freq(rotary_dim, theta, seq_len), scaling._attention_factor()
 
