@@ -1,5 +1,6 @@
 """Tiny random causal LMs in transformers and in tfx, and transformers' generate on left-padded
-prompts, shared by the processor and decoder beam-search tests (tests/generation)."""
+prompts, shared by the processor and decoder beam-search tests (tests/generation); random
+left-padded prompts for the speculative and hybrid decoding tests."""
 
 import numpy as np
 import pytest
@@ -20,6 +21,15 @@ CASES = {
 def prompts():
     """PROMPTS left-padded with id 0: ids, mask int64 [3, 7]."""
     return left_padded(PROMPTS)
+
+
+def random_prompts(vocab: int):
+    """Three left-padded prompts of 9, 4 and 6 random ids below `vocab`: ids, mask int [3, 9]
+    (the speculative and hybrid decoding tests)."""
+    ids = np.random.default_rng(0).integers(0, vocab, (3, 9))
+    mask = np.ones_like(ids)
+    mask[1, :5], mask[2, :3] = 0, 0
+    return ids, mask
 
 
 def load_pair(torch, transformers, case: str, folder):

@@ -9,11 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from decoding_cases import random_prompts
 from flax import nnx
 
 import tfx
 from tfx.generation import beam_search, speculative_generate
 from tfx.models import Decoder, DecoderConfig
+from tfx.nn import DeltaState
 from tfx.ops.sampling import sample_logits
 
 VOCAB = 48
@@ -45,11 +47,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def prompts():
-    """Three left-padded prompts of 9, 4 and 6 tokens."""
-    ids = np.random.default_rng(0).integers(0, VOCAB, (3, 9))
-    mask = np.ones_like(ids)
-    mask[1, :5], mask[2, :3] = 0, 0
-    return ids, mask
+    return random_prompts(VOCAB)
 
 
 @nnx.jit
@@ -208,3 +206,13 @@ def test_rewinding_linear_layers_needs_a_history(model):
         model.init_cache(1, 8).rewind(jnp.zeros(1, jnp.int32))
     with pytest.raises(ValueError, match="rewind must be an int >= 0"):
         model.init_cache(1, 8, rewind=-1)
+
+
+def test_a_model_of_linear_layers_only_caches_no_keys(prompts):
+    model = _hybrid(("linear", "linear"), seed=4)
+    cache = model.init_cache(3, 16)
+    assert all(isinstance(layer, DeltaState) for layer in cache.layers)
+    assert cache.bytes_per_token == 0 and cache.positions.shape == (3, 16)
+    ids, mask = prompts
+    out = tfx.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(out)[:, 9:], _recomputed(model, ids, mask, NEW))

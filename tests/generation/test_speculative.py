@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from decoding_cases import random_prompts
 from flax import nnx
 
 import tfx
@@ -49,11 +50,7 @@ def random_draft():
 
 @pytest.fixture(scope="module")
 def prompts():
-    """Three left-padded prompts of 9, 4 and 6 tokens."""
-    ids = np.random.default_rng(0).integers(0, VOCAB, (3, 9))
-    mask = np.ones_like(ids)
-    mask[1, :5], mask[2, :3] = 0, 0
-    return ids, mask
+    return random_prompts(VOCAB)
 
 
 @pytest.mark.parametrize(("draft", "k", "rng"), [

@@ -190,10 +190,12 @@ class Decoder(nnx.Module):
         types = [c.layer_type(i) for i in range(c.num_layers - c.attention.shared_kv_layers)]
         attending = [t for t in types if t != "linear"]
         sliding = all(t == "sliding" for t in attending)
-        layout = dict(num_layers=max(len(attending), 1), batch=batch, max_len=max_len + g,
+        layout = dict(num_layers=len(attending), batch=batch, max_len=max_len + g,
                       dtype=dtype, window=c.attention.sliding_window if sliding else None,
                       stacked=c.compute.scan_layers)
-        if c.latent is not None:  # the compressed latent and the rotary key
+        if not attending:  # linear layers only: the positions' bookkeeping, no KV layer
+            cache = KVCache.no_layers(batch, max_len + g)
+        elif c.latent is not None:  # the compressed latent and the rotary key
             cache = init_latent_cache(kv_lora_rank=c.latent.kv_lora_rank,
                                       qk_rope_head_dim=c.latent.qk_rope_head_dim, **layout)
         else:
@@ -251,8 +253,8 @@ def _kv_cache(config: DecoderConfig, types: list[str], layout: dict) -> KVCache:
     """An empty KV cache for attention layers of `types` (in order), each with its own heads
     and head width (`DecoderConfig.layer_heads`: Gemma 4's "full" layers are wider)."""
     shapes = [config.layer_heads(kind) for kind in types]
-    if len(set(shapes)) <= 1:  # one shape (or a model of linear layers only): one call
-        kv_heads, head_dim = shapes[0] if shapes else config.layer_heads("full")
+    if len(set(shapes)) == 1:  # one shape: one call
+        kv_heads, head_dim = shapes[0]
         return init_cache(num_kv_heads=kv_heads, head_dim=head_dim, **layout)
     built = {shape: init_cache(num_kv_heads=shape[0], head_dim=shape[1],
                                **{**layout, "num_layers": shapes.count(shape)})

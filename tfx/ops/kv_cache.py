@@ -134,6 +134,13 @@ class KVCache:
     next_position: jax.Array
     window: int | None = _static()
 
+    @classmethod
+    def no_layers(cls, batch: int, cache_len: int, window: int | None = None) -> KVCache:
+        """A cache with empty slots and no layers yet: the position bookkeeping alone, to
+        which a model adds its layers' entries (`dataclasses.replace(cache, layers=...)`)."""
+        return cls(layers=(), positions=jnp.full((batch, cache_len), -1, jnp.int32),
+                   next_position=jnp.zeros((batch,), jnp.int32), window=window)
+
     @property
     def nbytes(self) -> int:
         """Bytes of cached keys and values and of recurrent states (the bookkeeping is
@@ -334,8 +341,8 @@ def _empty_cache(layer_type: type, dims: tuple[tuple[int, int], ...], *, num_lay
                             for heads, dim in dims))
 
     layers = layer((num_layers,)) if stacked else tuple(layer(()) for _ in range(num_layers))
-    return KVCache(layers=layers, positions=jnp.full((batch, cache_len), -1, jnp.int32),
-                   next_position=jnp.zeros((batch,), jnp.int32), window=window if ring else None)
+    return dataclasses.replace(KVCache.no_layers(batch, cache_len, window if ring else None),
+                               layers=layers)
 
 
 @jax.tree_util.register_dataclass
