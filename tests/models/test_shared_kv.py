@@ -5,6 +5,7 @@ the model itself run another way (whole sequences vs a KV cache filled step by s
 copy of the model whose sharing layers are handed the keys by hand (written out below);
 transformers' own Gemma 4 is the reference of tests/hf/test_gemma4.py."""
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from flax import nnx
 
 from tfx.models.config import DecoderConfig
 from tfx.models.decoder import Decoder
-from tfx.nn.attention import NoCache, RecordKeys, SharedKeys
+from tfx.nn.attention import NoCache, Recorded, RecordKeys, SharedKeys
 from tfx.ops.positional import ProportionalScaling
 
 KINDS = ("sliding", "full", "sliding", "sliding", "full")
@@ -66,20 +67,23 @@ def test_sharing_layer_attends_its_owners_keys_and_values(model):
     positions, stack = jnp.arange(7), model.stack
     x = model.embeddings(IDS, positions)
     per_layer = model.per_layer_inputs(IDS, x)
-    owner = RecordKeys(NoCache())
     for i in range(3):
         visibility = stack._visibility(None, stack.windows[i], False, None, positions)
-        x = stack.layers[i](x, cache=owner if i == 2 else None, positions=positions,
-                            per_layer_input=per_layer[:, :, i], **visibility)
+        x = stack.layers[i](x, cache=RecordKeys(NoCache()) if i == 2 else None,
+                            positions=positions, per_layer_input=per_layer[:, :, i],
+                            **visibility)
+    x, recorded = x  # layer 2 returns the keys it attended (and no cache state)
+    assert isinstance(recorded, Recorded) and recorded.state is None
+    owner = recorded.keys
     attention = stack.layers[3].attention
     h = stack.layers[3].attention_norm(x)
     visibility = stack._visibility(None, 3, False, None, positions)
-    ours = attention(h, cache=SharedKeys(owner.keys), positions=positions, **visibility)
+    ours = attention(h, cache=SharedKeys(owner), positions=positions, **visibility)
     # The reference: [batch, seq, heads, dim] queries as layer 3 makes them.
     query = attention._heads(attention.query(h), 4, attention.query_norm)
     query, _ = attention.position.encode(query, None, positions, None)
-    key = np.repeat(np.asarray(owner.keys.key), 2, axis=2)  # [batch, seq, heads, dim]
-    value = np.repeat(np.asarray(owner.keys.value), 2, axis=2)
+    key = np.repeat(np.asarray(owner.key), 2, axis=2)  # [batch, seq, heads, dim]
+    value = np.repeat(np.asarray(owner.value), 2, axis=2)
     scores = np.einsum("bqhd,bkhd->bhqk", np.asarray(query), key) * 8**-0.5  # head_dim 8
     q, k = np.arange(7)[:, None], np.arange(7)[None, :]
     scores = np.where((k <= q) & (q - k < 3), scores, -np.inf)
@@ -98,12 +102,24 @@ def test_shared_and_full_layer_settings_are_checked():
                                   "shared_kv_layers": 1})
     with pytest.raises(ValueError, match="full_kv_heads"):
         CONFIG.replace(attention={"full_kv_heads": 3})
-    with pytest.raises(ValueError, match="remat"):
-        CONFIG.replace(compute={"remat": True})
     with pytest.raises(ValueError, match="per_layer_width"):
         CONFIG.replace(attention={"shared_kv_layers": 0}, compute={"scan_layers": True})
     with pytest.raises(ValueError, match="per_layer_vocab_size"):
         CONFIG.replace(embeddings={"per_layer_width": None})
+
+
+def test_remat_gives_the_same_logits_and_gradients(model):
+    """Remat recomputes each layer apart; the owner's keys reach the sharing layers as its
+    output (`Recorded`), so nothing crosses the recomputed layers but arrays."""
+    remat = Decoder(CONFIG.replace(compute={"remat": True}), rngs=nnx.Rngs(0))
+
+    def loss(m):
+        return jnp.sum(m(IDS) ** 2)
+
+    np.testing.assert_allclose(remat(IDS), model(IDS), rtol=1e-6, atol=1e-6)
+    want, got = nnx.grad(loss)(model), nnx.grad(loss)(remat)
+    chex.assert_trees_all_close(nnx.to_pure_dict(got), nnx.to_pure_dict(want), rtol=1e-5,
+                                atol=1e-5)
 
 
 def test_the_paged_engine_decodes_shared_keys_and_refuses_wider_full_layers():

@@ -123,8 +123,8 @@ class Block(nnx.Module):
                 h = self.attention(h, cache, token_mask=token_mask)
             else:
                 h = self.attention(h, cache=cache, **attention_args)
-        # A cache kind that keeps no state of its own (SharedKeys, RecordKeys of no cache)
-        # gives the output alone.
+        # A cache kind that keeps no state of its own (SharedKeys) gives the output alone;
+        # RecordKeys gives its state with the keys (`Recorded`), which the block passes on.
         h, cache = h if isinstance(h, tuple) else (h, None)
         layer_input, x = x, self.residual("attention", x, checkpoint_name(h, ATTENTION_OUT))
         if self.cross_attention is not None:

@@ -302,10 +302,10 @@ class DecoderConfig(TransformerConfig):
             raise ValueError(f"attention.shared_kv_layers: the last {shared} layers (types "
                              f"{sorted(sharers)}) need an earlier attention layer of each of "
                              f"their types (got {sorted(owners)}), and no latent attention")
-        if self.compute.scan_layers or self.compute.remat:
+        if self.compute.scan_layers:
             raise ValueError("attention.shared_kv_layers is not supported with "
-                             "compute.scan_layers (one kind of layer) or compute.remat (the "
-                             "shared keys cross layers, which remat recomputes apart)")
+                             "compute.scan_layers: scanned layers are of one kind, and sharing "
+                             "layers have no key and value projections")
 
     def _check_latent(self):
         """What latent attention replaces or cannot combine with."""

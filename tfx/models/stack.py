@@ -9,7 +9,7 @@ from flax import nnx
 from tfx.models.block import Block, RematBlock, dtypes, model_norm
 from tfx.models.config import EncoderConfig, TransformerConfig
 from tfx.nn import axes
-from tfx.nn.attention import NoCache, RecordKeys, SharedKeys
+from tfx.nn.attention import NoCache, Recorded, RecordKeys, SharedKeys
 from tfx.nn.caches import SegmentLayer, kv_cache_layer
 from tfx.nn.dropout import make_dropout
 from tfx.nn.embeddings import LearnedPositions, SinusoidalPositions, TokenEmbedding
@@ -211,17 +211,18 @@ class Stack(nnx.Module):
 
     def _each_layer(self, x, cache, kind, contexts, per_layer_inputs, *, visibility, **shared):
         """Run the layers one after the other (not scanned): x and the updated caches (None
-        without a cache). A layer whose keys later layers share records them (`RecordKeys`);
-        those layers attend them (`SharedKeys`) and keep no cache (their entry stays None)."""
+        without a cache). A layer whose keys later layers share returns them with its cache
+        (`RecordKeys`, `Recorded`); those layers attend them (`SharedKeys`) and keep no cache
+        (their entry stays None)."""
         caches = [None] * len(self.layers) if cache is None else cache
         recorded, owners, updated = {}, set(self.kv_sources) - {None}, []
         for i, (layer, layer_cache, layer_context, window) in enumerate(zip(
                 self.layers, caches, contexts, self.windows, strict=True)):
             kv = None if layer_cache is None else kind(layer_cache)
             if self.kv_sources[i] is not None:
-                kv = SharedKeys(recorded[self.kv_sources[i]].keys)
+                kv = SharedKeys(recorded[self.kv_sources[i]])
             elif i in owners:
-                kv = recorded[i] = RecordKeys(NoCache() if kv is None else kv)
+                kv = RecordKeys(NoCache() if kv is None else kv)
             extra = {} if per_layer_inputs is None else {
                 "per_layer_input": per_layer_inputs[:, :, i]}
             with jax.named_scope(f"layer_{i}"):  # profiles read by layer
@@ -229,6 +230,8 @@ class Stack(nnx.Module):
                           **visibility[window])
             if isinstance(x, tuple):
                 x, layer_cache = x
+            if isinstance(layer_cache, Recorded):
+                recorded[i], layer_cache = layer_cache.keys, layer_cache.state
             updated.append(layer_cache)
         return x, None if cache is None else tuple(updated)
 

@@ -33,7 +33,8 @@ from tfx.ops.kv_cache import LayerKV
 from tfx.ops.norms import rms_norm
 from tfx.ops.sparse import SparsitySpec
 
-__all__ = ["Attention", "CrossKV", "Keys", "NoCache", "RecordKeys", "SharedKeys", "cache_for"]
+__all__ = ["Attention", "CrossKV", "Keys", "NoCache", "RecordKeys", "Recorded", "SharedKeys",
+           "cache_for"]
 
 
 class Attention(nnx.Module):
@@ -217,6 +218,11 @@ class Attention(nnx.Module):
         return x.reshape(*x.shape[:2], num_heads, self.head_dim)
 
 
+# A field of the pytree's structure (static under jit and remat), not an array.
+_STATIC = {"static": True}
+
+
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Keys:
     """Keys and values the queries attend, with everything that says which they may see.
@@ -233,11 +239,11 @@ class Keys:
     positions: jax.Array | None = None
     mask: jax.Array | None = None
     bias: jax.Array | None = None
-    is_causal: bool = False
-    sparsity: SparsitySpec | None = None
+    is_causal: bool = dataclasses.field(default=False, metadata=_STATIC)
+    sparsity: SparsitySpec | None = dataclasses.field(default=None, metadata=_STATIC)
     query_segment_ids: jax.Array | None = None
     key_segment_ids: jax.Array | None = None
-    heads_major: bool = False
+    heads_major: bool = dataclasses.field(default=False, metadata=_STATIC)
 
     @property
     def kv_len(self) -> int:
@@ -306,12 +312,22 @@ class SharedKeys(NoCache):
         return self.keys, None
 
 
-class RecordKeys:
-    """A cache kind (`inner`) that also remembers the `Keys` its layer attended (`keys`, set
-    by the call), for the later layers that share them (`SharedKeys`)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """What a layer that records its keys returns as its cache: its next cache state (None
+    when it keeps none) and the `Keys` it attended, for the later layers that share them."""
 
-    def __init__(self, inner: NoCache):
-        self.inner, self.keys = inner, None
+    state: object
+    keys: Keys
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordKeys:
+    """A cache kind (`inner`) whose call also returns the `Keys` it attended (`Recorded`),
+    for the later layers that share them (`SharedKeys`)."""
+
+    inner: NoCache
 
     def sources(self, x: jax.Array, context: jax.Array | None) -> jax.Array | None:
         return self.inner.sources(x, context)
@@ -319,10 +335,9 @@ class RecordKeys:
     def query_positions(self, positions: jax.Array | None, q_len: int) -> jax.Array:
         return self.inner.query_positions(positions, q_len)
 
-    def attend(self, keys: Keys, x: jax.Array) -> tuple[Keys, object]:
+    def attend(self, keys: Keys, x: jax.Array) -> tuple[Keys, Recorded]:
         keys, state = self.inner.attend(keys, x)
-        self.keys = keys
-        return keys, state
+        return keys, Recorded(state, keys)
 
 
 def cache_for(cache: NoCache | None, context: jax.Array | LayerKV | None) -> NoCache:
