@@ -23,10 +23,20 @@ def attention_values_and_grads(implementation, query, key, value, cotangent, **k
 
 
 def expert_weights(key, experts, d_model, d_ff, gated=True) -> ExpertWeights:
-    """Random experts [E, d_model, d_ff] / [E, d_ff, d_model], scaled to keep outputs O(1)."""
-    keys = jax.random.split(key, 3)
-    scale = 0.5 / np.sqrt(d_model)
-    return ExpertWeights(
-        gate=scale * jax.random.normal(keys[0], (experts, d_model, d_ff)) if gated else None,
-        up=scale * jax.random.normal(keys[1], (experts, d_model, d_ff)),
-        down=scale * jax.random.normal(keys[2], (experts, d_ff, d_model)))
+    """Random experts [E, d_model, d_ff] / [E, d_ff, d_model], scaled to keep outputs O(1).
+
+    key: a jax PRNG key, or a numpy Generator, which draws without compiling a sampler for each
+    new shape (for tests that try many shapes)."""
+    if isinstance(key, np.random.Generator):
+        scale = np.float32(0.5 / np.sqrt(d_model))
+
+        def normal(index, shape):
+            return jnp.asarray(scale * key.standard_normal(shape, np.float32))
+    else:
+        keys, scale = jax.random.split(key, 3), 0.5 / np.sqrt(d_model)
+
+        def normal(index, shape):
+            return scale * jax.random.normal(keys[index], shape)
+    return ExpertWeights(gate=normal(0, (experts, d_model, d_ff)) if gated else None,
+                         up=normal(1, (experts, d_model, d_ff)),
+                         down=normal(2, (experts, d_ff, d_model)))

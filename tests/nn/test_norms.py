@@ -1,6 +1,8 @@
 """tfx.nn.norms: every norm of tfx's models is tfx's LayerNorm or RMSNorm, whose values and
 gradients are as close to the float64 formula as Flax's layers' and whose dtypes are theirs."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -34,13 +36,31 @@ def textbook(kind, x, scale, bias, epsilon=1e-5):
     return y + bias if kind == "layer" else y
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _textbook_values_and_gradients(kind, x, scale, bias):
+    y, vjp = jax.vjp(lambda *a: textbook(kind, *a), x, scale, bias)
+    return (y, *vjp(jnp.cos(y)))
+
+
 def float64_reference(kind, x, scale, bias):
     """`textbook`'s values and the gradients of sum(sin(norm(x))) for x, scale and bias, by
-    autodiff in float64."""
+    autodiff in float64 (jitted: one compilation per shape, not one per op)."""
     with jax.enable_x64(True):
-        y, vjp = jax.vjp(lambda *a: textbook(kind, *a),
-                         *(jnp.asarray(np.float64(a)) for a in (x, scale, bias)))
-        return [np.asarray(v) for v in (y, *vjp(jnp.cos(y)))]
+        arrays = (jnp.asarray(np.float64(a)) for a in (x, scale, bias))
+        return [np.asarray(v) for v in _textbook_values_and_gradients(kind, *arrays)]
+
+
+def _loss(module, x):
+    return jnp.sum(jnp.sin(module(x)))
+
+
+@nnx.jit
+def values_and_gradients(module, x):
+    """y, d/dx, d/dscale (and d/dbias, if the module has a bias) of sum(sin(module(x))); jitted:
+    each example's shape compiles once instead of op by op."""
+    params, dx = nnx.grad(_loss, argnums=(0, 1))(module, x)
+    return [module(x), dx, params.scale[...]] + (
+        [params.bias[...]] if "bias" in params else [])
 
 
 @pytest.mark.parametrize("preset", ["char-gpt", "gpt2-small", "minilm-l6", "t5-small"])
@@ -72,14 +92,6 @@ def test_values_and_gradients_are_as_close_to_the_formula_as_flax_s(kind, lead, 
     scale = np.float64(ours.scale[...])
     bias = np.float64(ours.bias[...]) if kind == "layer" else np.zeros(features)
 
-    def loss(module, x):
-        return jnp.sum(jnp.sin(module(x)))
-
-    def outputs(module):  # y, d/dx, d/dscale (and d/dbias)
-        params, dx = nnx.grad(loss, argnums=(0, 1))(module, x)
-        return [module(x), dx, params.scale[...]] + (
-            [params.bias[...]] if kind == "layer" else [])
-
     # Both layers compute the variance as E[x²] - E[x]² in float32 (Flax's fast variance), and
     # round the same products in different orders. Where a row's values nearly coincide (its
     # variance near epsilon) that difference cancels, and where the true gradient is itself a
@@ -87,7 +99,8 @@ def test_values_and_gradients_are_as_close_to_the_formula_as_flax_s(kind, lead, 
     # value and gradient is measured against the float64 formula, and ours must be as close
     # as Flax's, to 2x and 1e-5; tests/ops/test_norms.py holds the ops to the formula itself.
     reference = float64_reference(kind, x, scale, bias)
-    for mine, flax_s, exact in zip(outputs(ours), outputs(theirs), reference, strict=False):
+    for mine, flax_s, exact in zip(*(values_and_gradients(m, x) for m in (ours, theirs)), reference,
+                                   strict=False):
         error, flax_error = (np.max(np.abs(np.float64(g) - exact)) for g in (mine, flax_s))
         assert error <= 2 * flax_error + 1e-5, (error, flax_error)
 

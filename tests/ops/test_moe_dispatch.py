@@ -25,11 +25,12 @@ from tfx.ops.moe import (
 
 
 def _case(seed, tokens, experts, k, d_model=6, d_ff=10, gated=True, capacity_factor=None):
-    keys = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(keys[0], (tokens, d_model))
-    routing = route(jax.random.normal(keys[1], (tokens, experts)), num_selected=k,
-                    capacity_factor=capacity_factor)
-    return x, routing, expert_weights(keys[2], experts, d_model, d_ff, gated)
+    # numpy draws: jax.random would compile its sampler for each new shape hypothesis tries.
+    rng = np.random.default_rng(seed)
+    x, logits = (jnp.asarray(rng.standard_normal(shape, np.float32))
+                 for shape in ((tokens, d_model), (tokens, experts)))
+    routing = route(logits, num_selected=k, capacity_factor=capacity_factor)
+    return x, routing, expert_weights(rng, experts, d_model, d_ff, gated)
 
 
 def _per_token_loop(x, routing, weights, activation):

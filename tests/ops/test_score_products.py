@@ -3,6 +3,7 @@ numpy (values) and against autodiff of plain einsums (gradients), and the layout
 transposed copy of the scores in the compiled backward, and none of the keys in
 key_query_scores' forward."""
 
+import functools
 import re
 
 import chex
@@ -37,24 +38,35 @@ def loss(scores_fn, values_fn, query, key, probs, value):
             + jnp.sum(jnp.cos(values_fn(probs, value).astype(jnp.float32))))
 
 
+# Jitted: each hypothesis example's shapes compile once, rather than every op on its own.
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def loss_gradients(scores_fn, values_fn, query, key, probs, value):
+    """Gradients of `loss` for (query, key, probs, value)."""
+    return jax.grad(functools.partial(loss, scores_fn, values_fn), (0, 1, 2, 3))(
+        query, key, probs, value)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def sin_sum_gradients(scores_fn, query, key):
+    """Gradients of sum(sin(scores)) for (query, key)."""
+    return jax.grad(lambda q, k: jnp.sum(jnp.sin(scores_fn(q, k))), (0, 1))(query, key)
+
+
 @settings(max_examples=25, deadline=None)
 @given(batch=st.integers(1, 2), heads=st.integers(1, 3), group=st.integers(1, 3),
        q_len=st.integers(1, 9), kv_len=st.integers(1, 9), dim=st.integers(1, 5),
        seed=st.integers(0, 2**16))
 def test_values_and_gradients_equal_plain_einsums(batch, heads, group, q_len, kv_len, dim, seed):
     query, key, probs, value = arrays(seed, batch, heads, group, q_len, kv_len, dim)
-    scores = query_key_scores(query, key)
+    scores = jax.jit(query_key_scores)(query, key)
     chex.assert_shape(scores, (batch, heads, group, q_len, kv_len))
     q64, k64, p64, v64 = (np.asarray(x, np.float64) for x in (query, key, probs, value))
     chex.assert_trees_all_close(scores, np.einsum("bkgtd,bksd->bkgts", q64, k64),
                                 atol=1e-5, rtol=1e-5)
-    chex.assert_trees_all_close(weighted_values(probs, value),
+    chex.assert_trees_all_close(jax.jit(weighted_values)(probs, value),
                                 np.einsum("bkgts,bksd->bkgtd", p64, v64), atol=1e-5, rtol=1e-5)
-    argnums = (0, 1, 2, 3)
-    grads = jax.grad(lambda *a: loss(query_key_scores, weighted_values, *a), argnums)(
-        query, key, probs, value)
-    expected = jax.grad(lambda *a: loss(plain_scores, plain_values, *a), argnums)(
-        query, key, probs, value)
+    grads = loss_gradients(query_key_scores, weighted_values, query, key, probs, value)
+    expected = loss_gradients(plain_scores, plain_values, query, key, probs, value)
     chex.assert_trees_all_close(grads, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -66,13 +78,13 @@ def test_key_query_scores_equal_the_scores_and_their_gradients(batch, heads, gro
                                                               kv_len, dim, seed):
     """The decoding product (few queries: q_len <= 4) against numpy and plain autodiff."""
     query, key = arrays(seed, batch, heads, group, q_len, kv_len, dim)[:2]
-    scores = key_query_scores(query, key)
+    scores = jax.jit(key_query_scores)(query, key)
     chex.assert_shape(scores, (batch, heads, group, q_len, kv_len))
     chex.assert_trees_all_close(
         scores, np.einsum("bkgtd,bksd->bkgts", *(np.asarray(x, np.float64) for x in (query, key))),
         atol=1e-5, rtol=1e-5)
-    grads = jax.grad(lambda q, k: jnp.sum(jnp.sin(key_query_scores(q, k))), (0, 1))(query, key)
-    expected = jax.grad(lambda q, k: jnp.sum(jnp.sin(plain_scores(q, k))), (0, 1))(query, key)
+    grads = sin_sum_gradients(key_query_scores, query, key)
+    expected = sin_sum_gradients(plain_scores, query, key)
     chex.assert_trees_all_close(grads, expected, atol=1e-5, rtol=1e-5)
 
 
