@@ -157,11 +157,11 @@ def test_two_processes_reading_their_own_rows_of_token_shards_match_one(tmp_path
     shards = tmp_path / "shards"
     _run_all([([sys.executable, "-m", "tfx", "tokenize", str(corpus), "--out", str(shards),
                 "--no-progress"], _env())])
-    _run_all([(_command(tmp_path / "one", shards), _env())])
     address = f"127.0.0.1:{free_port()}"
-    _run_all([(_command(tmp_path / "two", shards, prefix=(
-        "--coordinator-address", address, "--num-processes", "2", "--process-id", str(i))),
-        _env()) for i in range(2)])
+    _run_all([(_command(tmp_path / "one", shards), _env()),  # the reference, alongside
+              *((_command(tmp_path / "two", shards, prefix=(
+                  "--coordinator-address", address, "--num-processes", "2",
+                  "--process-id", str(i))), _env()) for i in range(2))])
     ref_losses, ref_params, lr = _result(tmp_path / "one")
     losses, params, _ = _result(tmp_path / "two")
     assert_same_training(losses, params, ref_losses, ref_params, learning_rate=lr)

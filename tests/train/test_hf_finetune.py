@@ -35,6 +35,7 @@ QUESTIONS = [("What is two plus two?", "It is four."), ("Hello!", "Hello! How ca
              ("Write add.", "def add(a, b):\n    return a + b")]
 SHORT = ["--steps", "6", "--train.batch-size", "4", "--train.seq-len", "64", "--log-every", "2",
          "--train.eval-every", "6", "--train.eval-batches", "1", "--checkpoint-every", "6"]
+LORA = ["--peft", "lora", "--peft.rank", "4", "--peft.targets", "query", "key", "value", "out"]
 
 
 def _chats(path, repeat: int = 4):
@@ -63,8 +64,7 @@ def _train_args(workdir, folder, chats, *more):
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, folder, chats):
     workdir = tmp_path_factory.mktemp("runs") / "lora"
-    assert main(_train_args(workdir, folder, chats, "--peft", "lora", "--peft.rank", "4",
-                            "--peft.targets", "query", "key", "value", "out")) == 0
+    assert main(_train_args(workdir, folder, chats, *LORA)) == 0
     return workdir
 
 
@@ -123,7 +123,10 @@ def test_sft_loss_counts_only_the_answers_and_packing_keeps_it(folder, chats):
                   "segment_ids": rows.segment_ids.astype(np.int32),
                   "positions": rows.positions.astype(np.int32)}
     p_total, p_count, _ = packed_supervised(model, jax.tree.map(jnp.asarray, everything), None)
-    alone = [supervised(model, jax.tree.map(jnp.asarray, {
+    # Each example scored alone, jitted: one compile per example length, where op-by-op
+    # dispatch compiled every operation of the model again for each length (3x slower).
+    score = nnx.jit(supervised)
+    alone = [score(model, jax.tree.map(jnp.asarray, {
         "tokens": e.ids[None], "loss_mask": e.loss_mask[None]}), None)
         for e in packed.train_examples]
     np.testing.assert_allclose(float(p_total), sum(float(a[0]) for a in alone), rtol=1e-4)
@@ -167,11 +170,12 @@ def test_eval_data_equals_the_transformers_loss(folder, tmp_path, capsys):
 
 def test_a_refused_run_writes_nothing_and_the_fix_then_runs(folder, chats, tmp_path, capsys):
     workdir = tmp_path / "w"
-    status = main(_train_args(workdir, folder, chats, "--peft", "lora", "--peft.targets",
+    status = main(_train_args(workdir, folder, chats, *LORA[:4], "--peft.targets",
                               "nothing_matches"))
     assert status == 2 and "nothing_matches" in capsys.readouterr().err
     assert not (workdir / "checkpoints" / "config.json").exists()
-    assert main(_train_args(workdir, folder, chats, "--peft", "lora")) == 0
+    # The fix: lora_run's settings, whose compiled step JAX's persistent cache then holds.
+    assert main(_train_args(workdir, folder, chats, *LORA)) == 0
 
 
 def test_a_base_of_another_model_is_refused_before_writing(folder, chats, tmp_path):
