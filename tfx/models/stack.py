@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -82,6 +84,21 @@ class Embeddings(nnx.Module):
         return self.dropout(x)
 
 
+def _layer_apart(make, rngs: nnx.Rngs) -> nnx.Module:
+    """`make(rngs=rngs)`; when `rngs` is traced (`nnx.eval_shape`, `init_sharded`), traced in
+    a nested jit of its own, which XLA inlines: the same ops on the same keys, the same values.
+
+    Why: each draw from a traced `nnx.Rngs` sets its count Variable, and flax (0.12)'s
+    `Variable.set_value` reads the new count's `.sharding`; on a tracer that raises an
+    AttributeError whose message jax builds by scanning every equation traced so far in the
+    frame. Building a big model in one frame costs draws x equations (qwen3-next-80b-a3b:
+    25 s); a frame per layer keeps each scan to one layer's equations (4 s).
+    """
+    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(nnx.state(rngs))):
+        return make(rngs=rngs)
+    return nnx.jit(lambda rngs: make(rngs=rngs))(rngs)
+
+
 class Stack(nnx.Module):
     """Layers, T5's shared relative bias (owned by the stack, computed once, reused by every
     layer), and the final norm of pre-norm models.
@@ -126,11 +143,11 @@ class Stack(nnx.Module):
 
             self.layers = stacked(rngs)
         else:
-            self.layers = nnx.List([
-                layer(c, cross_attention=cross_attention, moe=c.is_moe_layer(i),
-                      layer_type=c.layer_type(i), positional=c.has_positions(i),
-                      attention_norm=c.norm.first_attention or i > 0,
-                      shares_keys=self.kv_sources[i] is not None, rngs=rngs)
+            self.layers = nnx.List([_layer_apart(functools.partial(
+                layer, c, cross_attention=cross_attention, moe=c.is_moe_layer(i),
+                layer_type=c.layer_type(i), positional=c.has_positions(i),
+                attention_norm=c.norm.first_attention or i > 0,
+                shares_keys=self.kv_sources[i] is not None), rngs)
             for i in range(count)])
         self.final_norm = model_norm(c, rngs=rngs) if c.norm.pre_norm else None
         self.dropout = make_dropout(c.dropout, rngs=rngs)
