@@ -35,11 +35,15 @@ def _prompts(batch=3, length=9):
 
 
 def _greedy_by_recomputation(step_logits, ids, new):
-    """Reference: run the whole sequence again for every new token and take the argmax."""
-    ids = np.asarray(ids)
-    for _ in range(new):
-        token = np.asarray(jnp.argmax(step_logits(jnp.asarray(ids))[:, -1], axis=-1))
-        ids = np.concatenate([ids, token[:, None]], axis=1)
+    """Reference: run the whole sequence again for every new token and take the argmax.
+
+    The sequence is zero-padded on the right to its final length, which a causal model's
+    position `t` does not see (tests/models/test_models.py checks causality): every step has
+    one shape, so its eager ops compile once rather than once per length."""
+    batch, length = np.shape(ids)
+    ids = np.concatenate([np.asarray(ids), np.zeros((batch, new), np.asarray(ids).dtype)], 1)
+    for t in range(length, length + new):
+        ids[:, t] = np.asarray(jnp.argmax(step_logits(jnp.asarray(ids))[:, t - 1], axis=-1))
     return ids
 
 
