@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tfx.ops.positional import YaRNScaling
+from tfx.ops.positional import ProportionalScaling, YaRNScaling
 from tfx.train.config import (
     DataConfig,
     Experiment,
@@ -25,10 +25,13 @@ def test_stored_form_round_trips(name):
     assert experiment_from_dict(json.loads(json.dumps(experiment.to_dict()))) == experiment
 
 
-def test_rope_scaling_objects_round_trip():
+@pytest.mark.parametrize("scaling", [
+    YaRNScaling(factor=4.0, original_max_position_embeddings=256),
+    ProportionalScaling(fraction=0.25, factor=2.0),  # Gemma 4's, defined beside the others
+], ids=lambda scaling: type(scaling).__name__)
+def test_rope_scaling_objects_round_trip(scaling):
     e = get_experiment("gpt_char")
-    scaled = dataclasses.replace(e, model=e.model.replace(
-        rope={"scaling": YaRNScaling(factor=4.0, original_max_position_embeddings=256)}))
+    scaled = dataclasses.replace(e, model=e.model.replace(rope={"scaling": scaling}))
     assert experiment_from_dict(json.loads(json.dumps(scaled.to_dict()))) == scaled
 
 
