@@ -95,6 +95,7 @@ def check_against_reference(mesh, *, num_selected, gated, activation, capacity_f
     kwargs = dict(num_selected=num_selected, policy=policy, capacity_factor=capacity_factor,
                   jitter=jitter, activation=activation)
     dropless = capacity_factor is None
+    traced = {}  # the per-group capacity (a static int), seen while the reference is traced
 
     def parallel(x, router, weights):
         out, routing = expert_parallel_moe(x, router, weights, mesh=mesh, rng=rng, **kwargs)
@@ -104,7 +105,9 @@ def check_against_reference(mesh, *, num_selected, gated, activation, capacity_f
         if dropless:  # all tokens at once
             out, routing = moe(x, router, weights, rng=rng, implementation="onehot", **kwargs)
             return out, routing_dict(routing)
-        return per_group_moe(x, router, weights, groups, rng=rng, **kwargs)[:2]
+        out, fields, traced["capacity"] = per_group_moe(x, router, weights, groups, rng=rng,
+                                                        **kwargs)
+        return out, fields
 
     (out, routing), grads = value_and_grads(parallel, not dropless, cotangent, x, router,
                                             weights)
@@ -122,8 +125,7 @@ def check_against_reference(mesh, *, num_selected, gated, activation, capacity_f
     out, routing = expert_parallel_moe(x, router, weights, mesh=mesh, rng=rng, **kwargs)
     token_spec = ("data", "expert") if mesh.shape["data"] > 1 else "expert"
     assert out.sharding.spec == routing.slot.sharding.spec == PartitionSpec(token_spec)
-    assert routing.capacity == (None if dropless else per_group_moe(
-        x, router, weights, groups, rng=rng, **kwargs)[2])
+    assert routing.capacity == (None if dropless else traced["capacity"])
 
 
 def check_jit_inside_set_mesh():
