@@ -46,7 +46,7 @@ def float64_reference(kind, x, scale, bias):
     """`textbook`'s values and the gradients of sum(sin(norm(x))) for x, scale and bias, by
     autodiff in float64 (jitted: one compilation per shape, not one per op)."""
     with jax.enable_x64(True):
-        arrays = (jnp.asarray(np.float64(a)) for a in (x, scale, bias))
+        arrays = (jnp.asarray(np.asarray(a, np.float64)) for a in (x, scale, bias))
         return [np.asarray(v) for v in _textbook_values_and_gradients(kind, *arrays)]
 
 
