@@ -10,9 +10,9 @@ each load's parameter shardings and the files of the save.
 
 import os
 
-# Before jax starts: 8 CPU devices.
+# Before jax starts: 8 CPU devices, beside the test session's XLA flags (tests/conftest.py).
 os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
-                           "--xla_backend_optimization_level=0")
+                           + os.environ.get("XLA_FLAGS", ""))
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json

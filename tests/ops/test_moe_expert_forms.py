@@ -123,7 +123,8 @@ def test_expert_parallel_on_one_device_equals_moe():
 
 _FOUR_DEVICES = textwrap.dedent("""
     import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 "
+                               + os.environ.get("XLA_FLAGS", ""))
     import sys
     sys.path.insert(0, sys.argv[1])
     import jax, numpy as np

@@ -8,8 +8,9 @@ size to OUT.json.
 
 import os
 
+# The test session's XLA flags (tests/conftest.py: cheaper compiles) stay.
 os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
-                           "--xla_backend_optimization_level=0")
+                           + os.environ.get("XLA_FLAGS", ""))
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json

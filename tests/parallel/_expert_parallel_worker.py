@@ -13,9 +13,10 @@ there the gradients of sum(out · ct) + load_balancing_loss + router_z_loss are 
 
 import os
 
-# Before jax starts: 8 CPU devices, and the fastest compilation (the cases are tiny).
+# Before jax starts: 8 CPU devices, beside the test session's XLA flags (tests/conftest.py:
+# the cheapest compiles; the cases are tiny).
 os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
-                           "--xla_backend_optimization_level=0")
+                           + os.environ.get("XLA_FLAGS", ""))
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import dataclasses

@@ -12,9 +12,10 @@ offsets, the reordering by local expert, the way back), values and gradients; no
 
 import os
 
-# Before jax starts: 8 CPU devices, and the fastest compilation (the cases are tiny).
+# Before jax starts: 8 CPU devices, beside the test session's XLA flags (tests/conftest.py:
+# the cheapest compiles; the cases are tiny).
 os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
-                           "--xla_backend_optimization_level=0")
+                           + os.environ.get("XLA_FLAGS", ""))
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import sys

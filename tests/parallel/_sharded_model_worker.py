@@ -12,8 +12,9 @@ import os
 # Before jax starts: 8 CPU devices, the fastest compilation (the run is tiny), and no
 # persistent compilation cache: a program loaded from it is not partitioned again, and would
 # print no partitioner warning.
+# The test session's XLA flags (tests/conftest.py: cheaper compiles) stay.
 os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
-                           "--xla_backend_optimization_level=0")
+                           + os.environ.get("XLA_FLAGS", ""))
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 

@@ -7,9 +7,10 @@ with a few checks of the batch helpers on such a mesh.
 
 import os
 
-# Before jax starts: 8 CPU devices, and the fastest compilation (the run is tiny).
+# Before jax starts: 8 CPU devices, beside the test session's XLA flags (tests/conftest.py:
+# the cheapest compiles; the run is tiny).
 os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
-                           "--xla_backend_optimization_level=0")
+                           + os.environ.get("XLA_FLAGS", ""))
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json

@@ -32,8 +32,9 @@ def _command(workdir, corpus, *extra, prefix=(), experiment="gpt_char"):
 
 def _env(devices: int = 1) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           # the test session's flags (tests/conftest.py: cheaper compiles) stay
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} "
-                        "--xla_backend_optimization_level=0"}
+                        + os.environ.get("XLA_FLAGS", "")}
     for name in ("TFX_COORDINATOR_ADDRESS", "TFX_NUM_PROCESSES", "TFX_PROCESS_ID"):
         env.pop(name, None)
     return env

@@ -15,8 +15,9 @@ import sys
 import time
 
 if sys.argv[1] == "sharded":  # must be set before jax starts
+    # The test session's XLA flags (tests/conftest.py: cheaper compiles) stay.
     os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 "
-                               "--xla_backend_optimization_level=0")
+                               + os.environ.get("XLA_FLAGS", ""))
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))  # tests/, for train_cases
 
 import jax

@@ -28,6 +28,7 @@ from tfx.nn.linear import flat_linear
 from tfx.nn.norms import QKNorm
 from tfx.nn.positions import Position
 from tfx.nn.remat import KEY_PROJ, QUERY_PROJ, VALUE_PROJ
+from tfx.ops._pytree import static_field
 from tfx.ops.attention import IMPLEMENTATIONS, dot_product_attention
 from tfx.ops.kv_cache import LayerKV
 from tfx.ops.norms import rms_norm
@@ -218,10 +219,6 @@ class Attention(nnx.Module):
         return x.reshape(*x.shape[:2], num_heads, self.head_dim)
 
 
-# A field of the pytree's structure (static under jit and remat), not an array.
-_STATIC = {"static": True}
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Keys:
@@ -239,11 +236,11 @@ class Keys:
     positions: jax.Array | None = None
     mask: jax.Array | None = None
     bias: jax.Array | None = None
-    is_causal: bool = dataclasses.field(default=False, metadata=_STATIC)
-    sparsity: SparsitySpec | None = dataclasses.field(default=None, metadata=_STATIC)
+    is_causal: bool = static_field(False)
+    sparsity: SparsitySpec | None = static_field(None)
     query_segment_ids: jax.Array | None = None
     key_segment_ids: jax.Array | None = None
-    heads_major: bool = dataclasses.field(default=False, metadata=_STATIC)
+    heads_major: bool = static_field(False)
 
     @property
     def kv_len(self) -> int:

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from tfx.ops import _checks
+from tfx.ops._pytree import static_field
 from tfx.ops._scatter import set_dropping
 from tfx.ops.linear_attention.state import DeltaState, rewind_state
 
@@ -48,11 +49,6 @@ __all__ = [
     "init_memory",
     "write",
 ]
-
-
-def _static():
-    """A field that is part of the pytree's structure (static under jit), not an array."""
-    return dataclasses.field(metadata=dict(static=True))
 
 
 class _LayerArrays:
@@ -114,7 +110,7 @@ class CacheStep:
     query_positions: jax.Array
     key_positions: jax.Array
     mask: jax.Array
-    append: bool = _static()
+    append: bool = static_field()
 
 
 @jax.tree_util.register_dataclass
@@ -132,7 +128,7 @@ class KVCache:
     layers: tuple[LayerKV | LatentKV | DeltaState, ...] | LayerKV | LatentKV
     positions: jax.Array
     next_position: jax.Array
-    window: int | None = _static()
+    window: int | None = static_field()
 
     @classmethod
     def no_layers(cls, batch: int, cache_len: int, window: int | None = None) -> KVCache:

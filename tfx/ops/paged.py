@@ -28,15 +28,11 @@ import jax
 import jax.numpy as jnp
 
 from tfx.ops import _checks
+from tfx.ops._pytree import static_field
 from tfx.ops._scatter import set_dropping
 from tfx.ops.linear_attention.state import DeltaState
 
 __all__ = ["PagedCache", "PagedKV", "PagedStep", "init_paged_cache", "write_pages"]
-
-
-def _static():
-    """A field that is part of the pytree's structure (static under jit), not an array."""
-    return dataclasses.field(metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -64,7 +60,7 @@ class PagedStep:
     slots: jax.Array
     query_positions: jax.Array
     page_table: jax.Array
-    page_size: int = _static()
+    page_size: int = static_field()
 
     @property
     def key_positions(self) -> jax.Array:
@@ -89,7 +85,7 @@ class PagedCache:
     layers: tuple[PagedKV | DeltaState, ...] | PagedKV
     page_table: jax.Array
     next_position: jax.Array
-    page_size: int = _static()
+    page_size: int = static_field()
 
     @property
     def capacity(self) -> int:

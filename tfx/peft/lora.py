@@ -28,6 +28,7 @@ from flax import nnx
 
 from tfx.nn.embeddings import TokenEmbedding
 from tfx.nn.paths import path_name
+from tfx.ops._pytree import static_field
 from tfx.peft.core import extended_class, find_modules, path_matcher, retract, set_module
 from tfx.peft.lora_modules import LoRAEmbedding, LoRALinear
 from tfx.peft.settings import LoRASettings
@@ -54,7 +55,7 @@ class LoRAWeights:
     """factors: {module path ("stack/layers/0/attention/query"): Factors}; scale: static."""
 
     factors: dict[str, Factors]
-    scale: float = dataclasses.field(metadata=dict(static=True))
+    scale: float = static_field()
 
 
 class LoRA(LoRASettings):
