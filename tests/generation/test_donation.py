@@ -21,6 +21,7 @@ import re
 
 import jax.numpy as jnp
 import pytest
+from compiled import compile_as_users_do
 from flax import nnx
 
 from tfx.generation._paged_step import RowSettings, compile_step
@@ -43,7 +44,7 @@ def _compiled_hlo(config: DecoderConfig, batch: int = BATCH) -> str:
     lowered = generate_module._generate.lower(
         graphdef, state, jnp.zeros((batch, PROMPT), jnp.int32), jnp.ones((batch, PROMPT), bool),
         None, filters, jnp.asarray([-1], jnp.int32), jnp.int32(0), max_new_tokens=NEW)
-    return lowered.compile().as_text()
+    return compile_as_users_do(lowered).as_text()
 
 
 def _loop_body_lines(hlo: str, pattern: str) -> list[str]:
@@ -110,9 +111,9 @@ def test_paged_step_writes_the_pools_in_place(batch):
     rows = RowSettings(temperature=zeros(jnp.float32), top_k=zeros(jnp.int32),
                        top_p=zeros(jnp.float32), keys=jnp.zeros((batch, 2), jnp.uint32),
                        counts=zeros(jnp.int32), variants=zeros(jnp.int32))
-    hlo = compile_step(graphdef).lower(
+    hlo = compile_as_users_do(compile_step(graphdef).lower(
         state, cache, jnp.zeros((batch, 1), jnp.int32), jnp.ones((batch, 1), bool),
-        rows).compile().as_text()
+        rows)).as_text()
     shapes = [_shape((heads, pages, page_size, head_dim)), _shape((heads, pages * page_size,
                                                                    head_dim))]
     assert shapes[0] in hlo  # the shapes looked for are the program's

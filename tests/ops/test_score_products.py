@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import compile_as_users_do
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -110,7 +111,8 @@ def score_sized_copies(scores_fn, values_fn, q_len=48, kv_len=40) -> list[str]:
     query, key, probs, value = arrays(0, 2, 2, 1, q_len, kv_len, 16)
     step = jax.jit(jax.grad(lambda *a: loss(scores_fn, values_fn, *a), (0, 1, 2, 3)))
     found = []
-    for line in step.lower(query, key, probs, value).compile().as_text().splitlines():
+    hlo = compile_as_users_do(step.lower(query, key, probs, value)).as_text()
+    for line in hlo.splitlines():
         match = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = \w+\[([\d,]*)\]", line)
         if match and ("copy" in match.group(1) or "transpose" in match.group(1)):
             dims = [int(d) for d in match.group(2).split(",") if d]
@@ -128,7 +130,7 @@ def transposed_keys(scores_fn, batch: int, heads: int, kv_len=192, dim=64) -> li
     """Instructions of the compiled scores of one decoding query that produce the keys
     transposed ([.., dim, kv_len])."""
     query, key = arrays(0, batch, heads, 1, 1, kv_len, dim)[:2]
-    hlo = jax.jit(scores_fn).lower(query, key).compile().as_text()
+    hlo = compile_as_users_do(jax.jit(scores_fn).lower(query, key)).as_text()
     return re.findall(rf"= f32\[(?:\d+,)*{dim},{kv_len}\]\S* \w+\(.*", hlo)
 
 
