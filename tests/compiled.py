@@ -2,10 +2,10 @@
 (what XLA fuses, copies, updates in place, how much scratch it keeps).
 
 tests/conftest.py makes the suite's compiles cheaper with XLA:CPU flags that change how XLA
-emits a program but not what it computes. One of them, `xla_cpu_use_fusion_emitters=false`,
-also changes the program's structure (XLA then expands a scatter into a loop of
-dynamic-update-slices, for one), so these tests turn it back to XLA's default for their
-compile alone.
+emits a program but not the operations it computes. One of them,
+`xla_cpu_use_fusion_emitters=false`, also changes the program's structure (XLA then expands a
+scatter into a loop of dynamic-update-slices, for one), so these tests turn it back to XLA's
+default for their compile alone.
 """
 
 from __future__ import annotations

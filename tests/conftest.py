@@ -28,7 +28,8 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 # which on a busy 2-core machine leaves out most of the suite's small programs).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 # The suite's programs are small, so compiling them costs more than running them; two XLA:CPU
-# flags make compiling cheaper without changing what the code computes (fast-math stays off):
+# flags make compiling cheaper, and neither changes the operations a program computes nor turns
+# on fast-math:
 # - LLVM's optimisation level 0 for the generated code: a level-0 compile is 20-30% faster
 #   (tests/train/test_step.py 132 s -> 100 s);
 # - loop fusions emitted by XLA's elemental LLVM emitters instead of its MLIR fusion emitters:
