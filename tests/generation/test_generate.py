@@ -40,8 +40,9 @@ def _greedy_by_recomputation(step_logits, ids, new):
     The sequence is zero-padded on the right to its final length, which a causal model's
     position `t` does not see (tests/models/test_models.py checks causality): every step has
     one shape, so its eager ops compile once rather than once per length."""
-    batch, length = np.shape(ids)
-    ids = np.concatenate([np.asarray(ids), np.zeros((batch, new), np.asarray(ids).dtype)], 1)
+    ids = np.asarray(ids)
+    batch, length = ids.shape
+    ids = np.concatenate([ids, np.zeros((batch, new), ids.dtype)], axis=1)
     for t in range(length, length + new):
         ids[:, t] = np.asarray(jnp.argmax(step_logits(jnp.asarray(ids))[:, t - 1], axis=-1))
     return ids

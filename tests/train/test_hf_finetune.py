@@ -35,7 +35,8 @@ QUESTIONS = [("What is two plus two?", "It is four."), ("Hello!", "Hello! How ca
              ("Write add.", "def add(a, b):\n    return a + b")]
 SHORT = ["--steps", "6", "--train.batch-size", "4", "--train.seq-len", "64", "--log-every", "2",
          "--train.eval-every", "6", "--train.eval-batches", "1", "--checkpoint-every", "6"]
-LORA = ["--peft", "lora", "--peft.rank", "4", "--peft.targets", "query", "key", "value", "out"]
+LORA = ["--peft", "lora", "--peft.rank", "4"]
+TARGETS = ["--peft.targets", "query", "key", "value", "out"]
 
 
 def _chats(path, repeat: int = 4):
@@ -64,7 +65,7 @@ def _train_args(workdir, folder, chats, *more):
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, folder, chats):
     workdir = tmp_path_factory.mktemp("runs") / "lora"
-    assert main(_train_args(workdir, folder, chats, *LORA)) == 0
+    assert main(_train_args(workdir, folder, chats, *LORA, *TARGETS)) == 0
     return workdir
 
 
@@ -170,12 +171,12 @@ def test_eval_data_equals_the_transformers_loss(folder, tmp_path, capsys):
 
 def test_a_refused_run_writes_nothing_and_the_fix_then_runs(folder, chats, tmp_path, capsys):
     workdir = tmp_path / "w"
-    status = main(_train_args(workdir, folder, chats, *LORA[:4], "--peft.targets",
+    status = main(_train_args(workdir, folder, chats, *LORA, "--peft.targets",
                               "nothing_matches"))
     assert status == 2 and "nothing_matches" in capsys.readouterr().err
     assert not (workdir / "checkpoints" / "config.json").exists()
     # The fix: lora_run's settings, whose compiled step JAX's persistent cache then holds.
-    assert main(_train_args(workdir, folder, chats, *LORA)) == 0
+    assert main(_train_args(workdir, folder, chats, *LORA, *TARGETS)) == 0
 
 
 def test_a_base_of_another_model_is_refused_before_writing(folder, chats, tmp_path):

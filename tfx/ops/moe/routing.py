@@ -57,6 +57,7 @@ import jax.numpy as jnp
 
 from tfx import names
 from tfx.ops import _checks
+from tfx.ops._pytree import static_field
 
 __all__ = ["POLICIES", "PRIORITIES", "Routing", "check_router_kernel", "check_routing_options",
            "expert_capacity", "expert_load", "route", "router_logits", "update_selection_bias"]
@@ -65,10 +66,7 @@ POLICIES = names.MOE_POLICIES
 PRIORITIES = ("position", "probability")
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["expert_ids", "weights", "kept", "slot", "load_balancing_loss",
-                                "router_z_loss"],
-                   meta_fields=["capacity"])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Routing:
     """Where each token goes.
@@ -90,7 +88,7 @@ class Routing:
     slot: jax.Array
     load_balancing_loss: jax.Array
     router_z_loss: jax.Array
-    capacity: int | None = None
+    capacity: int | None = static_field(None)
 
 
 def router_logits(x: jax.Array, router_kernel: jax.Array,
